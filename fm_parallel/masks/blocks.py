@@ -1,0 +1,126 @@
+"""Block summary of a FlashMask and the tile rule (skip / partial / fully visible).
+
+This module is the only place that decides what a tile of (query rows x key block) is. The PyTorch
+path, the Triton kernel launchers and the ring scheduler all call :func:`classify_tiles`.
+
+For key block ``c`` (columns ``c*Bc .. c*Bc+Bc-1``) and interval slot ``m`` the summary keeps
+``min/max`` of ``fms`` and ``fme`` over the block's columns. For rows ``[r_lo, r_hi]``:
+
+* **skip**    if for every slot ``m``: ``min_fms[m] > r_hi`` or ``max_fme[m] < r_lo``
+  (no column's interval ``m`` reaches the rows);
+* **full**    if for some slot ``m``: ``max_fms[m] <= r_lo`` and ``min_fme[m] >= r_hi``
+  (interval ``m`` of every column covers every row);
+* **partial** otherwise.
+
+Both tests are conservative, so a partial tile may in truth be empty or full, never the converse.
+Rows need not be contiguous: a block of zigzag positions is summarised by its min and max row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+from fm_parallel.masks.flashmask import FlashMask
+
+__all__ = ["TileClass", "BlockSummary", "summarize", "classify_tiles", "row_block_bounds", "count_tiles"]
+
+
+class TileClass(IntEnum):
+    SKIP = 0
+    PARTIAL = 1
+    FULL = 2
+
+
+@dataclass(frozen=True)
+class BlockSummary:
+    """Per key block and interval slot: bounds of ``fms`` / ``fme``, each ``[B, Hm, Tc, M]`` int32."""
+
+    block: int
+    num_keys: int
+    min_fms: torch.Tensor
+    max_fms: torch.Tensor
+    min_fme: torch.Tensor
+    max_fme: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return self.min_fms.shape[2]
+
+
+def summarize(mask: FlashMask, block: int) -> BlockSummary:
+    """O(N) reduction of the bounds over key blocks of ``block`` columns (last block may be short)."""
+    if not isinstance(block, int) or block < 1:
+        raise ValueError(f"block: expected a positive int, got {block!r}")
+    b, h, n, m = mask.fms.shape
+    tc = -(-n // block)
+    pad = tc * block - n
+    big, small = torch.iinfo(torch.int32).max, torch.iinfo(torch.int32).min
+
+    def reduce(x: torch.Tensor, fill: int, op) -> torch.Tensor:
+        # Padding columns take the neutral value of the reduction so the short last block is exact.
+        if pad:
+            x = torch.cat([x, torch.full((b, h, pad, m), fill, dtype=x.dtype, device=x.device)], dim=2)
+        return op(x.view(b, h, tc, block, m), dim=3)
+
+    amin = lambda x, dim: x.amin(dim=dim)  # noqa: E731
+    amax = lambda x, dim: x.amax(dim=dim)  # noqa: E731
+    return BlockSummary(
+        block=block,
+        num_keys=n,
+        min_fms=reduce(mask.fms, big, amin),
+        max_fms=reduce(mask.fms, small, amax),
+        min_fme=reduce(mask.fme, big, amin),
+        max_fme=reduce(mask.fme, small, amax),
+    )
+
+
+def classify_tiles(summary: BlockSummary, row_lo: torch.Tensor, row_hi: torch.Tensor) -> torch.Tensor:
+    """The tile rule.
+
+    Args:
+        summary: block summary of the mask (``[B, Hm, Tc, M]`` bounds).
+        row_lo, row_hi: ``[Tr]`` smallest / largest global row of each query block (inclusive).
+    Returns:
+        ``[B, Hm, Tr, Tc]`` int8 of :class:`TileClass` values.
+    """
+    lo = row_lo.to(summary.min_fms.device, torch.int32).view(1, 1, -1, 1, 1)
+    hi = row_hi.to(summary.min_fms.device, torch.int32).view(1, 1, -1, 1, 1)
+    min_fms, max_fms = summary.min_fms.unsqueeze(2), summary.max_fms.unsqueeze(2)  # [B, Hm, 1, Tc, M]
+    min_fme, max_fme = summary.min_fme.unsqueeze(2), summary.max_fme.unsqueeze(2)
+    reaches = (min_fms <= hi) & (max_fme >= lo)
+    covers = (max_fms <= lo) & (min_fme >= hi)
+    cls = reaches.any(-1).to(torch.int8)  # PARTIAL where reached, SKIP elsewhere
+    return torch.where(covers.any(-1), torch.full_like(cls, int(TileClass.FULL)), cls)
+
+
+def row_block_bounds(positions: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row_lo, row_hi)``, each ``[Tr]``: min / max global row of each block of ``block`` queries.
+
+    Args:
+        positions: ``[Nq]`` global row of each local query (``q_offset + arange(Nq)`` for a slice).
+    """
+    nq = positions.numel()
+    tr = -(-nq // block)
+    pad = tr * block - nq
+    pos = positions.to(torch.int64)
+    lo = torch.cat([pos, pos.new_full((pad,), torch.iinfo(torch.int64).max)]).view(tr, block).amin(1)
+    hi = torch.cat([pos, pos.new_full((pad,), -1)]).view(tr, block).amax(1)
+    return lo, hi
+
+
+def count_tiles(mask: FlashMask, block_q: int = 128, block_k: int = 128, rows_per_chunk: int = 1024):
+    """``(skipped, partial, full)`` tile counts over rows ``0 .. num_rows-1``, summed over ``[B, Hm]``.
+
+    Query blocks are classified a chunk at a time so memory stays O(N / block) per chunk.
+    """
+    summary = mask.block_summary(block_k)
+    lo, hi = row_block_bounds(torch.arange(mask.num_rows, device=mask.device), block_q)
+    counts = torch.zeros(3, dtype=torch.int64, device=mask.device)
+    for start in range(0, lo.numel(), rows_per_chunk):
+        cls = classify_tiles(summary, lo[start : start + rows_per_chunk], hi[start : start + rows_per_chunk])
+        counts += torch.bincount(cls.flatten().to(torch.int64), minlength=3)
+    skipped, partial, full = counts.tolist()
+    return skipped, partial, full

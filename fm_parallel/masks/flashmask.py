@@ -1,0 +1,232 @@
+"""The FlashMask type: per key column, the inclusive query rows that may see it.
+
+    visible(i, j)  <=>  exists m:  fms[b, h, j, m] <= i <= fme[b, h, j, m]
+
+Rows are global query positions; a query slice (ring chunk, zigzag shard) passes where its rows sit
+and the mask is never rewritten. Memory is O(N): ``2 * 4 * B * Hm * Nk * M`` bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from fm_parallel.masks import intervals
+
+if TYPE_CHECKING:
+    from fm_parallel.masks.blocks import BlockSummary
+
+__all__ = ["FlashMask", "MaskStats", "MAX_INTERVALS"]
+
+MAX_INTERVALS = 4
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class MaskStats:
+    """Tile counts and density of a mask at one square tile size (summed over batch rows and mask heads)."""
+
+    block: int
+    num_rows: int
+    num_keys: int
+    tiles_total: int
+    tiles_skipped: int
+    tiles_partial: int
+    tiles_full: int
+    visible_pairs: int  # summed over [B, Hm]; per head when Hm == 1
+    density: float  # visible_pairs / (B * Hm * num_rows * num_keys)
+
+    @property
+    def skip_ratio(self) -> float:
+        return self.tiles_skipped / max(self.tiles_total, 1)
+
+
+class FlashMask:
+    """A column-wise attention mask: ``fms``, ``fme`` int32 of shape ``[B, Hm, Nk, M]``.
+
+    Args:
+        fms: first visible row of each interval, ``[B, Hm, Nk]`` or ``[B, Hm, Nk, M]`` (``M <= 4``);
+            ``[Nk]`` and ``[B, Nk]`` are accepted as shorthands for ``B = Hm = 1`` / ``Hm = 1``.
+            Any integer dtype; stored as int32.
+        fme: last visible row (inclusive), same shape. An interval with ``fms > fme`` is empty.
+        num_rows: number of query rows the mask describes (the global sequence length);
+            defaults to ``Nk`` (self-attention).
+        validate: check ranges and interval order (one device sync). Builders pass False.
+
+    Non-empty intervals of a column must be sorted and disjoint; rows must lie in ``[0, num_rows)``.
+    Empty intervals are stored canonically as ``(num_rows, -1)``.
+    """
+
+    __slots__ = ("fms", "fme", "num_rows", "_summaries")
+
+    def __init__(self, fms: torch.Tensor, fme: torch.Tensor, num_rows: int | None = None, *, validate: bool = True):
+        fms, fme = _as_bounds("fms", fms), _as_bounds("fme", fme)
+        if fms.shape != fme.shape:
+            raise ValueError(f"fme: expected the shape of fms {tuple(fms.shape)}, got {tuple(fme.shape)}")
+        if fms.device != fme.device:
+            raise ValueError(f"fme: expected the device of fms ({fms.device}), got {fme.device}")
+        num_keys = fms.shape[2]
+        if num_rows is None:
+            num_rows = num_keys
+        if num_keys < 1:
+            raise ValueError(f"fms: expected at least one key column, got shape {tuple(fms.shape)}")
+        if not isinstance(num_rows, int) or isinstance(num_rows, bool) or num_rows < 1:
+            raise ValueError(f"num_rows: expected a positive int, got {num_rows!r}")
+        if validate:
+            _validate(fms, fme, num_rows)
+            empty = fms > fme
+            fms = torch.where(empty, torch.full_like(fms, num_rows), fms)
+            fme = torch.where(empty, torch.full_like(fme, -1), fme)
+        self.fms, self.fme, self.num_rows = fms.contiguous(), fme.contiguous(), num_rows
+        self._summaries: dict = {}
+
+    # ----------------------------------------------------------------- shape
+    @property
+    def batch(self) -> int:
+        return self.fms.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.fms.shape[1]
+
+    @property
+    def num_keys(self) -> int:
+        return self.fms.shape[2]
+
+    @property
+    def max_intervals(self) -> int:
+        return self.fms.shape[3]
+
+    @property
+    def device(self) -> torch.device:
+        return self.fms.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.fms.nbytes + self.fme.nbytes
+
+    def __repr__(self) -> str:
+        return (
+            f"FlashMask(B={self.batch}, Hm={self.heads}, Nk={self.num_keys}, M={self.max_intervals}, "
+            f"num_rows={self.num_rows}, device={self.device})"
+        )
+
+    # ------------------------------------------------------------ transforms
+    def to(self, device) -> "FlashMask":
+        """The same mask on another device (block summaries are recomputed there on demand)."""
+        return FlashMask(self.fms.to(device), self.fme.to(device), self.num_rows, validate=False)
+
+    def select_keys(self, index: torch.Tensor | slice) -> "FlashMask":
+        """The columns of the keys at ``index`` (a slice or a 1-D index tensor); rows stay global."""
+        if isinstance(index, slice):
+            return FlashMask(self.fms[:, :, index], self.fme[:, :, index], self.num_rows, validate=False)
+        index = index.to(self.device)
+        return FlashMask(self.fms.index_select(2, index), self.fme.index_select(2, index), self.num_rows, validate=False)
+
+    def expand_intervals(self, m: int) -> "FlashMask":
+        """The same mask with at least ``m`` interval slots (extra slots empty)."""
+        if m <= self.max_intervals:
+            return self
+        pad = m - self.max_intervals
+        shape = (*self.fms.shape[:3], pad)
+        fms = torch.cat([self.fms, torch.full(shape, self.num_rows, dtype=torch.int32, device=self.device)], -1)
+        fme = torch.cat([self.fme, torch.full(shape, -1, dtype=torch.int32, device=self.device)], -1)
+        return FlashMask(fms, fme, self.num_rows, validate=False)
+
+    # ----------------------------------------------------------------- views
+    def to_dense(self, nq: int | None = None, *, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The boolean picture ``[B, Hm, Nq, Nk]`` (True = visible). For tests and the dense fallback.
+
+        Args:
+            nq: rows ``0 .. nq-1`` (default ``num_rows``).
+            rows: explicit global row positions ``[Nq]`` instead (a slice of queries).
+        """
+        if rows is None:
+            rows = torch.arange(self.num_rows if nq is None else nq, device=self.device)
+        rows = rows.to(self.device).view(1, 1, -1, 1, 1)
+        fms, fme = self.fms.unsqueeze(2), self.fme.unsqueeze(2)  # [B, Hm, 1, Nk, M]
+        return ((fms <= rows) & (rows <= fme)).any(dim=-1)
+
+    def visible_pairs(self, nq: int | None = None) -> torch.Tensor:
+        """Visible (query, key) pairs per mask row, ``[B, Hm]`` int64, for rows ``0 .. nq-1``."""
+        return intervals.count_rows(self.fms, self.fme, self.num_rows if nq is None else nq).sum(-1)
+
+    def block_summary(self, block: int) -> "BlockSummary":
+        """Min/max of the bounds per key block of ``block`` columns (cached per block size)."""
+        from fm_parallel.masks.blocks import summarize
+
+        if block not in self._summaries:
+            self._summaries[block] = summarize(self, block)
+        return self._summaries[block]
+
+    def stats(self, block: int = 128) -> MaskStats:
+        """Tile counts (square ``block`` x ``block`` tiles) and density, for ``num_rows`` x ``Nk``."""
+        from fm_parallel.masks.blocks import count_tiles
+
+        skipped, partial, full = count_tiles(self, block_q=block, block_k=block)
+        pairs = int(self.visible_pairs().sum())
+        return MaskStats(
+            block=block,
+            num_rows=self.num_rows,
+            num_keys=self.num_keys,
+            tiles_total=skipped + partial + full,
+            tiles_skipped=skipped,
+            tiles_partial=partial,
+            tiles_full=full,
+            visible_pairs=pairs,
+            density=pairs / max(self.batch * self.heads * self.num_rows * self.num_keys, 1),
+        )
+
+
+def _as_bounds(name: str, x) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected an integer torch.Tensor, got {type(x).__name__}")
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise ValueError(f"{name}: expected an integer dtype (int32 preferred), got {x.dtype}")
+    if x.dim() == 1:
+        x = x.view(1, 1, -1)
+    elif x.dim() == 2:
+        x = x.unsqueeze(1)
+    if x.dim() == 3:
+        x = x.unsqueeze(-1)
+    if x.dim() != 4:
+        raise ValueError(f"{name}: expected shape [B, Hm, Nk] or [B, Hm, Nk, M], got {tuple(x.shape)}")
+    if not 1 <= x.shape[-1] <= MAX_INTERVALS:
+        raise ValueError(f"{name}: expected 1 to {MAX_INTERVALS} intervals per column (last dim), got {x.shape[-1]}")
+    if x.dtype != torch.int32:
+        if x.numel() and (int(x.max()) > _INT32_MAX or int(x.min()) < -_INT32_MAX - 1):
+            raise ValueError(f"{name}: values must fit in int32, got range [{int(x.min())}, {int(x.max())}]")
+        x = x.to(torch.int32)
+    return x
+
+
+def _validate(fms: torch.Tensor, fme: torch.Tensor, num_rows: int) -> None:
+    if fms.numel() == 0:
+        return
+    nonempty = fms <= fme
+    bad_start = nonempty & (fms < 0)
+    bad_end = nonempty & (fme >= num_rows)
+    # Each non-empty interval must start after every earlier non-empty interval of its column ends
+    # (touching is allowed: [0, 3] then [4, 9]).
+    ends = torch.where(nonempty, fme, torch.full_like(fme, -1))
+    prev_end = torch.cummax(ends, dim=-1).values
+    prev_end = torch.cat([torch.full_like(prev_end[..., :1], -1), prev_end[..., :-1]], dim=-1)
+    unsorted = nonempty & (fms <= prev_end)
+    flags = torch.stack([bad_start.any(), bad_end.any(), unsorted.any()]).tolist()
+    if flags[0]:
+        idx = tuple(torch.nonzero(bad_start)[0].tolist())
+        raise ValueError(f"fms: expected rows >= 0, got fms{list(idx)} = {int(fms[idx])}")
+    if flags[1]:
+        idx = tuple(torch.nonzero(bad_end)[0].tolist())
+        raise ValueError(
+            f"fme: expected rows < num_rows = {num_rows} (bounds are inclusive), got fme{list(idx)} = {int(fme[idx])}"
+        )
+    if flags[2]:
+        idx = tuple(torch.nonzero(unsorted)[0].tolist())
+        col = idx[:3]
+        raise ValueError(
+            "fms/fme: expected the non-empty intervals of each column sorted and disjoint, got "
+            f"column {list(col)} with intervals {list(zip(fms[col].tolist(), fme[col].tolist()))}"
+        )

@@ -1,0 +1,241 @@
+"""PyTorch implementations: the fp64 dense oracle and the blockwise path (``impl="torch"``).
+
+``reference_attention`` materialises the whole mask and score matrix in float64; tests compare every
+other implementation with it.
+
+``blockwise_attention`` is the CPU backend. For each block of ``block_q`` queries it asks the tile
+rule (:func:`fm_parallel.masks.classify_tiles`) which key blocks to visit, gathers only those
+(contiguous runs are views, not copies), applies mask math only to the columns of partial tiles,
+and does one softmax over the gathered keys. Memory is O(block_q x visible keys) per step, never
+N x N. The backward recomputes scores per query block from the saved log-sum-exp (FlashAttention-2
+style) rather than storing them. GQA is handled by viewing queries as ``[B, Hkv, G, N, D]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fm_parallel.heads import group_queries, mask_groups, mask_heads_as_groups
+from fm_parallel.masks.blocks import TileClass, classify_tiles, row_block_bounds
+from fm_parallel.masks.flashmask import FlashMask
+
+__all__ = ["reference_attention", "blockwise_attention", "DEFAULT_BLOCK"]
+
+DEFAULT_BLOCK = 128
+
+
+def _safe(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (rows that see no key) replaced by 0, so exp(s - lse) is 0 there, not NaN."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: FlashMask,
+    scale: float | None = None,
+    q_positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense float64 attention, the oracle.
+
+    Args:
+        q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, Nk, D]``; v: ``[B, Hkv, Nk, Dv]``.
+        mask: ``[Bm, Hm, Nk, M]`` bounds.
+        q_positions: ``[Nq]`` global row of each query (default ``0 .. Nq-1``).
+    Returns:
+        ``out [B, Hq, Nq, Dv]`` and ``lse [B, Hq, Nq]``, float64; rows that see no key give 0 and -inf.
+    """
+    b, hq, nq, d = q.shape
+    hkv = k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    rows = torch.arange(nq, device=q.device) if q_positions is None else q_positions
+    visible = mask_heads_as_groups(mask.to_dense(rows=rows), hq, hkv)  # [Bm, Hkv|1, G|1, Nq, Nk]
+    q5 = group_queries(q.double(), hkv)
+    s = torch.einsum("bhgnd,bhmd->bhgnm", q5, k.double()) * scale
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _safe(lse).unsqueeze(-1))
+    out = torch.einsum("bhgnm,bhmd->bhgnd", p, v.double())
+    return out.reshape(b, hq, nq, -1), lse.reshape(b, hq, nq)
+
+
+# --------------------------------------------------------------- blockwise
+@dataclass
+class _RowBlock:
+    """What one block of queries visits: key column spans to gather and the partial columns among them."""
+
+    r0: int
+    r1: int
+    spans: list[tuple[int, int]]
+    part_local: torch.Tensor | None  # [P] positions of partial-tile columns inside the gathered keys
+    part_global: torch.Tensor | None  # [P] their key indices
+
+
+def _plan(mask: FlashMask, positions: torch.Tensor, block_q: int, block_k: int) -> list[list[_RowBlock]]:
+    """Per mask row ``[Bm * Hm]``, per query block: the tiles to visit, from the tile rule."""
+    lo, hi = row_block_bounds(positions, block_q)
+    classes = classify_tiles(mask.block_summary(block_k), lo, hi).cpu()  # [Bm, Hm, Tr, Tc]
+    nq, nk = positions.numel(), mask.num_keys
+    plans = []
+    for row_classes in classes.flatten(0, 1).tolist():
+        blocks = []
+        for i, tiles in enumerate(row_classes):
+            spans: list[tuple[int, int]] = []
+            part_local: list[torch.Tensor] = []
+            part_global: list[torch.Tensor] = []
+            width = 0
+            for c, cls in enumerate(tiles):
+                if cls == TileClass.SKIP:
+                    continue
+                c0, c1 = c * block_k, min((c + 1) * block_k, nk)
+                if cls == TileClass.PARTIAL:
+                    part_local.append(torch.arange(width, width + c1 - c0))
+                    part_global.append(torch.arange(c0, c1))
+                if spans and spans[-1][1] == c0:
+                    spans[-1] = (spans[-1][0], c1)
+                else:
+                    spans.append((c0, c1))
+                width += c1 - c0
+            blocks.append(
+                _RowBlock(
+                    i * block_q,
+                    min((i + 1) * block_q, nq),
+                    spans,
+                    torch.cat(part_local).to(mask.device) if part_local else None,
+                    torch.cat(part_global).to(mask.device) if part_global else None,
+                )
+            )
+        plans.append(blocks)
+    return plans
+
+
+def _gather(x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """Keys of the visited spans along dim -2 (a view when there is one span)."""
+    if len(spans) == 1:
+        return x[..., spans[0][0] : spans[0][1], :]
+    return torch.cat([x[..., c0:c1, :] for c0, c1 in spans], dim=-2)
+
+
+def _scores(q_t, k_t, blk: _RowBlock, mask: FlashMask, grp, rows: torch.Tensor, scale: float, g_n: int):
+    """Scaled scores ``[b, kv, g*br, nc]`` with -inf on the masked entries of partial tiles only."""
+    s = torch.matmul(q_t, k_t.transpose(-1, -2)) * scale
+    if blk.part_local is not None:
+        fms = mask.fms[grp.mask_b, grp.mask_h].index_select(0, blk.part_global)  # [P, M]
+        fme = mask.fme[grp.mask_b, grp.mask_h].index_select(0, blk.part_global)
+        r = rows.view(-1, 1, 1)
+        visible = ((fms <= r) & (r <= fme)).any(-1)  # [br, P]
+        visible = visible.repeat(g_n, 1)
+        part = s.index_select(-1, blk.part_local).masked_fill(~visible, float("-inf"))
+        s = s.index_copy(-1, blk.part_local, part)
+    return s
+
+
+def _blockwise_forward(q, k, v, mask, positions, scale, block_q, block_k, plans):
+    b, hq, nq, _ = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q5 = group_queries(q, hkv)
+    out5 = torch.zeros(b, hkv, hq // hkv, nq, dv, dtype=q.dtype, device=q.device)
+    lse5 = torch.full((b, hkv, hq // hkv, nq), float("-inf"), dtype=torch.float32, device=q.device)
+    for grp in mask_groups(b, hq, hkv, mask.batch, mask.heads):
+        q_g = q5[grp.batch, grp.kv, grp.group]
+        k_g, v_g = k[grp.batch, grp.kv], v[grp.batch, grp.kv]
+        bn, kn, gn = q_g.shape[:3]
+        for blk in plans[grp.mask_b * mask.heads + grp.mask_h]:
+            if not blk.spans:
+                continue  # every tile skipped: out stays 0, lse stays -inf
+            br = blk.r1 - blk.r0
+            q_t = q_g[..., blk.r0 : blk.r1, :].reshape(bn, kn, gn * br, -1).to(cdt)
+            k_t, v_t = _gather(k_g, blk.spans).to(cdt), _gather(v_g, blk.spans).to(cdt)
+            s = _scores(q_t, k_t, blk, mask, grp, positions[blk.r0 : blk.r1], scale, gn)
+            lse = torch.logsumexp(s, dim=-1)
+            p = torch.exp(s - _safe(lse).unsqueeze(-1))
+            o = torch.matmul(p, v_t)
+            out5[grp.batch, grp.kv, grp.group, blk.r0 : blk.r1] = o.view(bn, kn, gn, br, dv).to(q.dtype)
+            lse5[grp.batch, grp.kv, grp.group, blk.r0 : blk.r1] = lse.view(bn, kn, gn, br).float()
+    return out5.view(b, hq, nq, dv), lse5.view(b, hq, nq)
+
+
+def _blockwise_backward(q, k, v, out, lse, dout, dlse, mask, positions, scale, plans):
+    b, hq, nq, _ = q.shape
+    hkv = k.shape[1]
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    delta = (dout.to(cdt) * out.to(cdt)).sum(-1)  # [B, Hq, Nq]
+    if dlse is not None:
+        delta = delta - dlse.to(cdt)  # d lse_i / d s_ij = p_ij folds into the same correction
+    q5, do5 = group_queries(q, hkv), group_queries(dout, hkv)
+    lse5, delta5 = lse.view(*q5.shape[:4]), delta.view(*q5.shape[:4])
+    dq5 = torch.zeros(q5.shape, dtype=cdt, device=q.device)
+    dk = torch.zeros(k.shape, dtype=cdt, device=q.device)
+    dv = torch.zeros(v.shape, dtype=cdt, device=q.device)
+    for grp in mask_groups(b, hq, hkv, mask.batch, mask.heads):
+        q_g, do_g = q5[grp.batch, grp.kv, grp.group], do5[grp.batch, grp.kv, grp.group]
+        k_g, v_g = k[grp.batch, grp.kv], v[grp.batch, grp.kv]
+        bn, kn, gn = q_g.shape[:3]
+        for blk in plans[grp.mask_b * mask.heads + grp.mask_h]:
+            if not blk.spans:
+                continue
+            br = blk.r1 - blk.r0
+            rows = slice(blk.r0, blk.r1)
+            q_t = q_g[..., rows, :].reshape(bn, kn, gn * br, -1).to(cdt)
+            do_t = do_g[..., rows, :].reshape(bn, kn, gn * br, -1).to(cdt)
+            lse_t = lse5[grp.batch, grp.kv, grp.group, rows].reshape(bn, kn, gn * br, 1).to(cdt)
+            delta_t = delta5[grp.batch, grp.kv, grp.group, rows].reshape(bn, kn, gn * br, 1)
+            k_t, v_t = _gather(k_g, blk.spans).to(cdt), _gather(v_g, blk.spans).to(cdt)
+            s = _scores(q_t, k_t, blk, mask, grp, positions[rows], scale, gn)
+            p = torch.exp(s - _safe(lse_t))
+            dp = torch.matmul(do_t, v_t.transpose(-1, -2))
+            ds = p * (dp - delta_t)
+            dq5[grp.batch, grp.kv, grp.group, rows] = (torch.matmul(ds, k_t) * scale).view(bn, kn, gn, br, -1)
+            dk_t = torch.matmul(ds.transpose(-1, -2), q_t) * scale
+            dv_t = torch.matmul(p.transpose(-1, -2), do_t)
+            offset = 0
+            for c0, c1 in blk.spans:
+                w = c1 - c0
+                dk[grp.batch, grp.kv, c0:c1] += dk_t[..., offset : offset + w, :]
+                dv[grp.batch, grp.kv, c0:c1] += dv_t[..., offset : offset + w, :]
+                offset += w
+    return dq5.view(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, positions, scale, block_q, block_k):
+        plans = _plan(mask, positions, block_q, block_k)
+        out, lse = _blockwise_forward(q, k, v, mask, positions, scale, block_q, block_k, plans)
+        ctx.save_for_backward(q, k, v, out, lse, positions)
+        ctx.mask, ctx.scale, ctx.plans = mask, scale, plans
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, positions = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = _blockwise_backward(q, k, v, out, lse, dout, dlse, ctx.mask, positions, ctx.scale, ctx.plans)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def blockwise_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: FlashMask,
+    positions: torch.Tensor,
+    scale: float,
+    block_q: int = DEFAULT_BLOCK,
+    block_k: int = DEFAULT_BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tile-skipping attention in PyTorch (differentiable, inputs assumed validated).
+
+    Args:
+        q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, Nk, D]``; v: ``[B, Hkv, Nk, Dv]``.
+        mask: FlashMask with ``Nk`` columns. positions: ``[Nq]`` int64 global query rows.
+    Returns:
+        ``out [B, Hq, Nq, Dv]`` in q's dtype, ``lse [B, Hq, Nq]`` float32 (-inf where a row sees nothing).
+    """
+    return _BlockwiseAttention.apply(q, k, v, mask, positions, scale, block_q, block_k)
