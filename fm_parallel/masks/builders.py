@@ -300,6 +300,8 @@ def _common(masks, name: str):
 
 def _combine(op, name: str, masks, max_intervals: int) -> FlashMask:
     _common(masks, name)
+    if not isinstance(max_intervals, int) or not 1 <= max_intervals <= MAX_INTERVALS:
+        raise ValueError(f"max_intervals: expected an int in [1, {MAX_INTERVALS}], got {max_intervals!r}")
     rows = masks[0].num_rows
 
     def pair(a, b):

@@ -72,8 +72,8 @@ class FlashMask:
             num_rows = num_keys
         if num_keys < 1:
             raise ValueError(f"fms: expected at least one key column, got shape {tuple(fms.shape)}")
-        if not isinstance(num_rows, int) or isinstance(num_rows, bool) or num_rows < 1:
-            raise ValueError(f"num_rows: expected a positive int, got {num_rows!r}")
+        if not isinstance(num_rows, int) or isinstance(num_rows, bool) or not 1 <= num_rows <= _INT32_MAX:
+            raise ValueError(f"num_rows: expected a positive int <= {_INT32_MAX}, got {num_rows!r}")
         if validate:
             _validate(fms, fme, num_rows)
             empty = fms > fme

@@ -1,0 +1,89 @@
+"""The tile rule against the dense truth: never wrong, and exact on the common masks."""
+
+import pytest
+import torch
+
+from fm_parallel import masks
+from fm_parallel.masks import TileClass
+from tests.masks.test_flashmask import random_intervals
+
+
+def truth(dense: torch.Tensor, positions: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
+    """Brute-force class of every tile of a [Nq, Nk] picture whose rows are at `positions`."""
+    sub = dense[positions]
+    nq, nk = sub.shape
+    out = torch.empty(-(-nq // block_q), -(-nk // block_k), dtype=torch.int8)
+    for i in range(out.shape[0]):
+        for c in range(out.shape[1]):
+            tile = sub[i * block_q : (i + 1) * block_q, c * block_k : (c + 1) * block_k]
+            out[i, c] = TileClass.FULL if tile.all() else TileClass.SKIP if not tile.any() else TileClass.PARTIAL
+    return out
+
+
+def classify(mask, positions, block_q, block_k):
+    lo, hi = masks.row_block_bounds(positions, block_q)
+    return masks.classify_tiles(mask.block_summary(block_k), lo, hi)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("block_q,block_k", [(4, 4), (8, 3), (5, 16)])
+def test_rule_is_conservative_on_random_multi_interval(seed, block_q, block_k):
+    fms, fme, picture = random_intervals(1, 2, 41, 37, 4, seed)
+    m = masks.FlashMask(fms, fme, 41)
+    g = torch.Generator().manual_seed(seed)
+    for positions in (torch.arange(41), torch.randperm(41, generator=g)[:23]):
+        got = classify(m, positions, block_q, block_k)
+        for h in range(2):
+            want = truth(picture[0, h], positions, block_q, block_k)
+            assert not ((got[0, h] == TileClass.SKIP) & (want != TileClass.SKIP)).any()
+            assert not ((got[0, h] == TileClass.FULL) & (want != TileClass.FULL)).any()
+            # A tile the rule calls partial may be anything; the others must agree exactly.
+            sure = got[0, h] != TileClass.PARTIAL
+            assert torch.equal(got[0, h][sure], want[sure])
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        masks.causal(100),
+        masks.document([17, 0, 40, 3, 30], n=100),
+        masks.sliding_window(100, 12),
+        masks.dpo(50, 25, 25),
+        masks.full(100),
+    ],
+    ids=["causal", "document", "sliding", "dpo", "full"],
+)
+@pytest.mark.parametrize("block", [1, 7, 16])
+def test_rule_is_exact_on_common_masks(mask, block):
+    positions = torch.arange(100)
+    got = classify(mask, positions, block, block)[0, 0]
+    assert torch.equal(got, truth(mask.to_dense()[0, 0], positions, block, block))
+
+
+def test_rule_with_q_offset_slice():
+    m = masks.document([30, 50, 20])
+    positions = torch.arange(40, 72)  # a ring chunk of 32 queries
+    got = classify(m, positions, 8, 8)[0, 0]
+    assert torch.equal(got, truth(m.to_dense()[0, 0], positions, 8, 8))
+
+
+def test_stats_counts_and_density():
+    s = masks.causal(8).stats(block=2)
+    assert (s.tiles_total, s.tiles_skipped, s.tiles_partial, s.tiles_full) == (16, 6, 4, 6)
+    assert s.visible_pairs == 36 and s.density == pytest.approx(36 / 64)
+    m = masks.document([100, 28], n=130)
+    s = m.stats(block=32)
+    t = truth(m.to_dense()[0, 0], torch.arange(130), 32, 32)
+    assert (s.tiles_skipped, s.tiles_partial, s.tiles_full) == tuple(int((t == c).sum()) for c in TileClass)
+    assert s.visible_pairs == 100 * 101 // 2 + 28 * 29 // 2
+    assert s.skip_ratio == pytest.approx(s.tiles_skipped / s.tiles_total)
+
+
+def test_summary_is_cached_and_short_last_block_exact():
+    m = masks.sliding_window(10, 3)
+    assert m.block_summary(4) is m.block_summary(4)
+    summary = m.block_summary(4)
+    assert summary.num_blocks == 3
+    assert summary.min_fms[0, 0, 2, 0] == 8 and summary.max_fms[0, 0, 2, 0] == 9
+    with pytest.raises(ValueError, match="block: expected a positive int, got 0"):
+        masks.summarize(m, 0)

@@ -1,0 +1,176 @@
+"""The FlashMask type: validation, dense round trips, converters (Paddle, FlexAttention)."""
+
+import random
+
+import pytest
+import torch
+
+from fm_parallel import FlashMask, masks
+
+
+def random_intervals(b, h, nq, nk, max_m, seed):
+    """Random sorted, disjoint, non-adjacent intervals per column, and their dense picture."""
+    rng = random.Random(seed)
+    fms = torch.full((b, h, nk, max_m), nq, dtype=torch.int32)
+    fme = torch.full((b, h, nk, max_m), -1, dtype=torch.int32)
+    picture = torch.zeros(b, h, nq, nk, dtype=torch.bool)
+    for bi in range(b):
+        for hi in range(h):
+            for j in range(nk):
+                k = rng.randint(0, max_m)
+                cuts = sorted(rng.sample(range(nq + 1), min(2 * k, nq + 1)))
+                for m in range(len(cuts) // 2):
+                    s, e = cuts[2 * m], cuts[2 * m + 1] - 1
+                    if m and s <= int(fme[bi, hi, j, m - 1]) + 1:
+                        continue  # touching the previous one: would merge, keep the test exact
+                    if s > e:
+                        continue
+                    fms[bi, hi, j, m], fme[bi, hi, j, m] = s, e
+                    picture[bi, hi, s : e + 1, j] = True
+    return fms, fme, picture
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_multi_interval_round_trip(seed):
+    fms, fme, picture = random_intervals(2, 3, 37, 29, 4, seed)
+    m = FlashMask(fms, fme, 37)
+    assert torch.equal(m.to_dense(), picture)
+    back = masks.from_dense(picture)
+    assert torch.equal(back.to_dense(), picture)
+    assert back.max_intervals <= 4
+    assert torch.equal(m.visible_pairs(), picture.sum((-1, -2)))
+
+
+def test_from_dense_float_and_limits():
+    causal = masks.causal(6).to_dense()[0, 0]
+    additive = torch.zeros(6, 6).masked_fill(~causal, float("-inf"))
+    assert torch.equal(masks.from_dense(additive).to_dense()[0, 0], causal)
+    hf_style = torch.zeros(6, 6).masked_fill(~causal, torch.finfo(torch.float32).min)
+    assert torch.equal(masks.from_dense(hf_style).to_dense()[0, 0], causal)
+    with pytest.raises(masks.MaskNotExpressible, match="bias"):
+        masks.from_dense(additive + 0.5)
+    checker = (torch.arange(10).view(10, 1) + torch.arange(10).view(1, 10)) % 2 == 0
+    with pytest.raises(masks.MaskNotExpressible, match="key column 0 needs 5 row intervals, at most 4"):
+        masks.from_dense(checker)
+    assert masks.from_dense(checker[:8]).max_intervals == 4
+
+
+def test_shorthand_shapes_and_int64():
+    m = FlashMask(torch.arange(5), torch.full((5,), 4))
+    assert m.fms.shape == (1, 1, 5, 1) and m.fms.dtype == torch.int32
+    assert torch.equal(m.to_dense()[0, 0], masks.causal(5).to_dense()[0, 0])
+
+
+def test_empty_intervals_are_canonical():
+    m = FlashMask(torch.tensor([3, 0]), torch.tensor([1, 1]), 4)
+    assert m.fms.flatten().tolist() == [4, 0] and m.fme.flatten().tolist() == [-1, 1]
+
+
+@pytest.mark.parametrize(
+    "fms, fme, rows, message",
+    [
+        (torch.tensor([0.0, 1.0]), torch.tensor([1, 1]), None, "fms: expected an integer dtype"),
+        (torch.tensor([0, 1]), torch.tensor([1, 1, 1]), None, "fme: expected the shape of fms"),
+        (torch.tensor([-1, 0]), torch.tensor([1, 1]), None, r"fms: expected rows >= 0, got fms\[0, 0, 0, 0\] = -1"),
+        (torch.tensor([0, 0]), torch.tensor([1, 2]), None, "fme: expected rows < num_rows = 2"),
+        (torch.tensor([[[[0, 2]]]]), torch.tensor([[[[3, 5]]]]), 8, "expected the non-empty intervals of each column sorted and disjoint"),
+        (torch.tensor([[[[4, 0]]]]), torch.tensor([[[[5, 1]]]]), 8, "sorted and disjoint"),
+        (torch.zeros(1, 1, 2, 5, dtype=torch.int32), torch.zeros(1, 1, 2, 5, dtype=torch.int32), None, "expected 1 to 4 intervals"),
+        (torch.zeros(2, 1, 1, 1, 1, dtype=torch.int32), torch.zeros(2, 1, 1, 1, 1, dtype=torch.int32), None, r"expected shape \[B, Hm, Nk\]"),
+        (torch.tensor([0, 1]), torch.tensor([1, 1]), 0, "num_rows: expected a positive int <= 2147483647, got 0"),
+        (torch.tensor([0, 1]), torch.tensor([1, 1]), 2**31, r"num_rows: expected a positive int <= 2147483647"),
+    ],
+)
+def test_validation(fms, fme, rows, message):
+    with pytest.raises(ValueError, match=message):
+        FlashMask(fms, fme, rows)
+
+
+def test_select_keys_keeps_global_rows():
+    m = masks.document([5, 7, 4])
+    part = m.select_keys(slice(5, 12))
+    assert part.num_rows == 16 and part.num_keys == 7
+    assert torch.equal(part.to_dense(), m.to_dense()[..., 5:12])
+    idx = torch.tensor([15, 0, 7])
+    assert torch.equal(m.select_keys(idx).to_dense(), m.to_dense()[..., idx])
+    rows = torch.tensor([3, 14, 6])
+    assert torch.equal(m.to_dense(rows=rows), m.to_dense()[:, :, rows])
+
+
+# ------------------------------------------------------------------ Paddle
+def paddle_dense(x: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Paddle's documented semantics, written out per column: the masked rows -> visible picture."""
+    b, h, n, k = x.shape
+    vis = torch.ones(b, h, n, n, dtype=torch.bool)
+    i = torch.arange(n).view(n, 1)
+    j = torch.arange(n).view(1, n)
+    lower, upper = i >= j, i < j
+    lts = x[..., 0].unsqueeze(-2)
+    if causal:
+        lte = x[..., 1].unsqueeze(-2) if k == 2 else torch.full_like(lts, n)
+        vis &= ~upper
+        vis &= ~(lower & (i >= lts) & (i < lte))
+    else:
+        lte = x[..., 1].unsqueeze(-2) if k == 4 else torch.full_like(lts, n)
+        vis &= ~(lower & (i >= lts) & (i < lte))
+        if k == 2:
+            vis &= ~(upper & (i < x[..., 1].unsqueeze(-2)))
+        if k == 4:
+            vis &= ~(upper & (i >= x[..., 2].unsqueeze(-2)) & (i < x[..., 3].unsqueeze(-2)))
+    return vis
+
+
+@pytest.mark.parametrize("causal,k", [(True, 1), (True, 2), (False, 1), (False, 2), (False, 4)])
+@pytest.mark.parametrize("n", [1, 9, 64])
+def test_paddle_round_trip_random(causal, k, n):
+    g = torch.Generator().manual_seed(n * 10 + k)
+    j = torch.arange(n)
+    # Random masked ranges that respect Paddle's layout: lower-part ranges start at or below the diagonal.
+    lts = torch.randint(0, n + 1, (2, 1, n), generator=g).maximum(j)
+    lte = torch.randint(0, n + 1, (2, 1, n), generator=g).maximum(lts)
+    uts = torch.randint(0, n + 1, (2, 1, n), generator=g).minimum(j)
+    ute = torch.randint(0, n + 1, (2, 1, n), generator=g).minimum(j).maximum(uts)
+    parts = {1: [lts], 2: [lts, lte] if causal else [lts, ute], 4: [lts, lte, uts, ute]}[k]
+    x = torch.stack(parts, -1).to(torch.int32)
+    want = paddle_dense(x, causal)
+    m = masks.from_paddle(x, causal)
+    assert torch.equal(m.to_dense(), want)
+    back, back_causal = masks.to_paddle(m)
+    assert back.shape[-1] <= k or not causal
+    assert torch.equal(paddle_dense(back, back_causal), want)
+
+
+def test_paddle_picks_smallest_form():
+    x, c = masks.to_paddle(masks.document([3, 5, 2]))
+    assert c and x.shape[-1] == 1 and x[0, 0, :, 0].tolist() == [3, 3, 3, 8, 8, 8, 8, 8, 10, 10]
+    x, c = masks.to_paddle(masks.document([3, 5, 2], causal=False))
+    assert not c and x.shape[-1] == 2
+    with pytest.raises(masks.MaskNotExpressible, match="Paddle form"):
+        stripes = torch.zeros(5, 5, dtype=torch.bool)
+        stripes[[0, 2, 4], 0] = True  # column 0: two masked gaps below the diagonal
+        masks.to_paddle(masks.from_dense(stripes))
+
+
+# ------------------------------------------------------------ FlexAttention
+@pytest.mark.parametrize("heads", [1, 2])
+def test_flex_mask_mod_matches_dense(heads):
+    from torch.nn.attention.flex_attention import create_mask
+
+    fms, fme, picture = random_intervals(2, heads, 33, 33, 3, seed=heads)
+    m = FlashMask(fms, fme, 33)
+    got = create_mask(masks.to_flex_mask_mod(m), 2, heads, 33, 33, device="cpu")
+    assert torch.equal(got, picture)
+    gqa = create_mask(masks.to_flex_mask_mod(m, q_heads=2 * heads), 2, 2 * heads, 33, 33, device="cpu")
+    assert torch.equal(gqa, picture.repeat_interleave(2, dim=1))
+
+
+def test_flex_attention_agrees_on_cpu():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from fm_parallel import flashmask_attention
+
+    m = masks.union(masks.sliding_window(128, 16, 2), masks.document([64, 64], causal=False))
+    q, k, v = (torch.randn(1, 2, 128, 16) for _ in range(3))
+    ours = flashmask_attention(q, k, v, mask=m, impl="torch", block_size=32)
+    theirs = flex_attention(q, k, v, block_mask=masks.to_block_mask(m))
+    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
