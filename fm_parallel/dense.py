@@ -1,7 +1,6 @@
 """Chunked dense attention: the fallback for masks FlashMask cannot express, and ``impl="dense"``.
 
-Plain PyTorch in the input dtype (matmuls in the input dtype, softmax in float32), over chunks of
-query rows so that at most ``chunk x Nk`` scores exist at once. Each chunk is checkpointed, so the
+Plain PyTorch (float32 arithmetic for half inputs, like SDPA's CPU kernels), over chunks of query rows so that at most ``chunk x Nk`` scores exist at once. Each chunk is checkpointed, so the
 backward also stays at O(chunk x Nk) memory instead of keeping every chunk's probabilities.
 """
 
@@ -22,15 +21,16 @@ MaskRows = Callable[[int, int], torch.Tensor]
 def _chunk(q_c, k, v, mask_c, scale):
     b, hq, c, _ = q_c.shape
     hkv = k.shape[1]
-    s = torch.matmul(group_queries(q_c, hkv).flatten(2, 3), k.transpose(-1, -2))  # [B, Hkv, G*c, Nk]
-    s = s.float().view(b, hkv, hq // hkv, c, -1) * scale
+    cdt = torch.float64 if q_c.dtype == torch.float64 else torch.float32
+    s = torch.matmul(group_queries(q_c.to(cdt), hkv).flatten(2, 3), k.to(cdt).transpose(-1, -2))  # [B, Hkv, G*c, Nk]
+    s = s.view(b, hkv, hq // hkv, c, -1) * scale
     m = mask_heads_as_groups(mask_c, hq, hkv)
-    s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
+    s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.to(cdt)
     lse = torch.logsumexp(s, dim=-1)
     seen = ~torch.isinf(lse)
     p = torch.exp(s - torch.where(seen, lse, torch.zeros_like(lse)).unsqueeze(-1))
-    out = torch.matmul(p.to(v.dtype).flatten(2, 3), v).view(b, hkv, hq // hkv, c, -1)
-    return out.reshape(b, hq, c, -1), lse.reshape(b, hq, c)
+    out = torch.matmul(p.flatten(2, 3), v.to(cdt)).view(b, hkv, hq // hkv, c, -1)
+    return out.reshape(b, hq, c, -1).to(q_c.dtype), lse.reshape(b, hq, c)
 
 
 def dense_attention(

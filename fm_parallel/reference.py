@@ -140,7 +140,7 @@ def _blockwise_forward(q, k, v, mask, positions, scale, block_q, block_k, plans)
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     q5 = group_queries(q, hkv)
     out5 = torch.zeros(b, hkv, hq // hkv, nq, dv, dtype=q.dtype, device=q.device)
-    lse5 = torch.full((b, hkv, hq // hkv, nq), float("-inf"), dtype=torch.float32, device=q.device)
+    lse5 = torch.full((b, hkv, hq // hkv, nq), float("-inf"), dtype=cdt, device=q.device)
     for grp in mask_groups(b, hq, hkv, mask.batch, mask.heads):
         q_g = q5[grp.batch, grp.kv, grp.group]
         k_g, v_g = k[grp.batch, grp.kv], v[grp.batch, grp.kv]
@@ -156,7 +156,7 @@ def _blockwise_forward(q, k, v, mask, positions, scale, block_q, block_k, plans)
             p = torch.exp(s - _safe(lse).unsqueeze(-1))
             o = torch.matmul(p, v_t)
             out5[grp.batch, grp.kv, grp.group, blk.r0 : blk.r1] = o.view(bn, kn, gn, br, dv).to(q.dtype)
-            lse5[grp.batch, grp.kv, grp.group, blk.r0 : blk.r1] = lse.view(bn, kn, gn, br).float()
+            lse5[grp.batch, grp.kv, grp.group, blk.r0 : blk.r1] = lse.view(bn, kn, gn, br)
     return out5.view(b, hq, nq, dv), lse5.view(b, hq, nq)
 
 
@@ -236,6 +236,7 @@ def blockwise_attention(
         q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, Nk, D]``; v: ``[B, Hkv, Nk, Dv]``.
         mask: FlashMask with ``Nk`` columns. positions: ``[Nq]`` int64 global query rows.
     Returns:
-        ``out [B, Hq, Nq, Dv]`` in q's dtype, ``lse [B, Hq, Nq]`` float32 (-inf where a row sees nothing).
+        ``out [B, Hq, Nq, Dv]`` in q's dtype, ``lse [B, Hq, Nq]`` float32 (float64 for float64 inputs;
+        -inf where a row sees nothing).
     """
     return _BlockwiseAttention.apply(q, k, v, mask, positions, scale, block_q, block_k)

@@ -1,0 +1,117 @@
+"""flashmask_attention as a public function: mask sources, impl choice, fallback, bad input."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fm_parallel import FlashMask, flashmask_attention, masks
+from fm_parallel.reference import reference_attention
+from tests.helpers import qkv
+
+
+def test_drop_in_for_sdpa_with_dense_mask(caplog):
+    q, k, v = qkv(2, 4, 4, 96, 16, torch.float32)
+    m = masks.document([30, 30, 36])
+    dense = m.to_dense()
+    with caplog.at_level(logging.WARNING, logger="fm_parallel"):
+        ours = flashmask_attention(q, k, v, attn_mask=dense[0, 0])
+    assert not caplog.records  # expressible: no fallback
+    torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v, attn_mask=dense), atol=2e-6, rtol=1e-5)
+    raw = flashmask_attention(q, k, v, m.fms[..., 0].long(), m.fme[..., 0].long())  # int64 bounds, 3-D
+    torch.testing.assert_close(raw, ours, atol=0, rtol=0)
+
+
+def test_is_causal_and_unmasked_match_sdpa():
+    q, k, v = qkv(1, 2, 2, 70, 8, torch.float32)
+    torch.testing.assert_close(
+        flashmask_attention(q, k, v, is_causal=True, block_size=16),
+        F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=2e-6, rtol=1e-5,
+    )
+    torch.testing.assert_close(
+        flashmask_attention(q, k, v, block_size=16), F.scaled_dot_product_attention(q, k, v), atol=2e-6, rtol=1e-5
+    )
+    torch.testing.assert_close(
+        flashmask_attention(q, k, v, scale=0.3), F.scaled_dot_product_attention(q, k, v, scale=0.3), atol=2e-6, rtol=1e-5
+    )
+
+
+def test_inexpressible_mask_falls_back_to_dense_and_logs_once(caplog):
+    g = torch.Generator().manual_seed(0)
+    dense = torch.rand(64, 64, generator=g) < 0.5  # random dropout-like mask: many intervals per column
+    dense[:, 0] = True
+    q, k, v = qkv(1, 2, 2, 64, 8, torch.float64)
+    with caplog.at_level(logging.WARNING, logger="fm_parallel"):
+        out = flashmask_attention(q, k, v, attn_mask=dense)
+        out.sum().backward()
+        flashmask_attention(q, k, v, attn_mask=dense)
+    fallbacks = [r for r in caplog.records if "chunked dense attention" in r.getMessage()]
+    assert len(fallbacks) == 1
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    assert torch.isfinite(q.grad).all()
+
+
+def test_additive_bias_falls_back():
+    q, k, v = qkv(1, 1, 1, 20, 8, torch.float32)
+    bias = torch.randn(20, 20)
+    out = flashmask_attention(q, k, v, attn_mask=bias)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=bias), atol=2e-6, rtol=1e-5)
+
+
+def test_per_head_dense_mask():
+    q, k, v = qkv(2, 4, 2, 40, 8, torch.float64)
+    fms_a = masks.stack([masks.causal(40), masks.sliding_window(40, 5)])
+    dense = fms_a.to_dense().expand(2, 2, 40, 40).clone()
+    dense[:, 1] = masks.document([10, 30]).to_dense()[0, 0]
+    out = flashmask_attention(q, k, v, attn_mask=dense)
+    m = masks.from_dense(dense)
+    ref, _ = reference_attention(q, k, v, m)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+
+
+def test_explicit_impl_is_honoured_or_raises():
+    q, k, v = qkv(1, 1, 1, 8, 8, torch.float32)
+    with pytest.raises(ValueError, match="impl: 'triton' needs CUDA tensors, got device cpu"):
+        flashmask_attention(q, k, v, impl="triton")
+    with pytest.raises(ValueError, match=r"impl: expected one of \('auto', 'cute', 'triton', 'torch', 'dense'\), got 'fast'"):
+        flashmask_attention(q, k, v, impl="fast")
+    a = flashmask_attention(q, k, v, impl="dense", is_causal=True)
+    b = flashmask_attention(q, k, v, impl="torch", is_causal=True)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def _bad_inputs():
+    q, k, v = (torch.randn(1, 4, 16, 8) for _ in range(3))
+    k2, v2 = torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    m = masks.causal(16)
+    return [
+        ("q 3-D", lambda: flashmask_attention(q[0], k, v), r"q: expected 4 dims \[B, H, N, D\]"),
+        ("int q", lambda: flashmask_attention(q.long(), k, v), "q: expected one of float16"),
+        ("dtype mix", lambda: flashmask_attention(q, k.double(), v), r"k: expected the dtype of q \(torch.float32\)"),
+        ("heads", lambda: flashmask_attention(q, torch.randn(1, 3, 16, 8), torch.randn(1, 3, 16, 8)), "k: expected a number of heads dividing q's 4"),
+        ("v length", lambda: flashmask_attention(q, k, v[:, :, :8]), r"v: expected heads and length \(4, 16\)"),
+        ("head dim", lambda: flashmask_attention(q, k[..., :4], v), "k: expected head dim 8 like q, got 4"),
+        ("mask keys", lambda: flashmask_attention(q, k, v, mask=masks.causal(15)), "mask: expected 16 key columns"),
+        ("mask heads", lambda: flashmask_attention(q, k2, v2, mask=FlashMask(torch.zeros(1, 3, 16, dtype=torch.int32), torch.full((1, 3, 16), 15))), "mask: expected 1, H_kv=2 or H_q=4 heads, got 3"),
+        ("mask batch", lambda: flashmask_attention(q, k, v, mask=masks.stack([m, m, m])), "mask: expected batch 1 or 1, got 3"),
+        ("rows", lambda: flashmask_attention(q, k, v, mask=m, q_offset=4), "expected query rows < the mask's num_rows 16, got row 19"),
+        ("offset", lambda: flashmask_attention(q, k, v, mask=m, q_offset=-1), "q_offset: expected an int >= 0, got -1"),
+        ("positions", lambda: flashmask_attention(q, k, v, mask=m, q_positions=torch.arange(8)), r"q_positions: expected shape \[16\]"),
+        ("fms only", lambda: flashmask_attention(q, k, v, m.fms), "fms, fme: expected both or neither, got only fms"),
+        ("two masks", lambda: flashmask_attention(q, k, v, mask=m, is_causal=True), "expected at most one of"),
+        ("dense shape", lambda: flashmask_attention(q, k, v, attn_mask=torch.ones(16, 15, dtype=torch.bool)), r"attn_mask: expected \[16, 16\]"),
+        ("dense int", lambda: flashmask_attention(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.int64)), "attn_mask: expected bool"),
+        ("bad fms", lambda: flashmask_attention(q, k, v, torch.zeros(16, dtype=torch.int32), torch.full((16,), 16)), "fme: expected rows < num_rows = 16"),
+        ("device", lambda: flashmask_attention(q, k, v, mask=m.to("meta")), "mask: expected device cpu like q, got meta"),
+        ("scale", lambda: flashmask_attention(q, k, v, scale=float("nan")), "scale: expected a finite float"),
+        ("block", lambda: flashmask_attention(q, k, v, block_size=0), "block_size: expected a positive int"),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_inputs(), ids=lambda c: c[0])
+def test_bad_input_raises_value_error(case):
+    _, call, message = case
+    with pytest.raises(ValueError, match=message):
+        call()
