@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import os
 
 import torch
 
@@ -108,29 +109,38 @@ def _dense_mask(attn_mask, b, hq, hkv, nq, nk, device) -> torch.Tensor:
     return m
 
 
+_BACKENDS = {"triton": "fm_parallel.kernels.triton_flashmask", "cute": "fm_parallel.kernels.cute_flashmask"}
+
+
 def _kernel(impl: str):
-    """The GPU launcher module of ``impl``, or a ValueError saying why it cannot run."""
+    """The GPU backend module of ``impl``, or a ValueError saying why it cannot run."""
     try:
-        return importlib.import_module(f"fm_parallel.kernels.{impl}")
-    except ModuleNotFoundError as e:
-        raise ValueError(
-            f"impl: {impl!r} is not available here ({e.msg}); use impl='torch' or 'auto'"
-        ) from None
+        return importlib.import_module(_BACKENDS[impl])
+    except ImportError as e:
+        raise ValueError(f"impl: {impl!r} is not available here ({e}); use impl='torch' or 'auto'") from None
+
+
+def _runs_here(impl: str, device: torch.device) -> bool:
+    # The Triton interpreter (TRITON_INTERPRET=1, CPU tests) runs the Triton kernels on CPU tensors.
+    return device.type == "cuda" or (impl == "triton" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def _resolve_impl(impl: str, device: torch.device) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
-    if impl in ("cute", "triton"):
-        if device.type != "cuda":
+    if impl in _BACKENDS:
+        if not _runs_here(impl, device):
             raise ValueError(f"impl: {impl!r} needs CUDA tensors, got device {device}")
         _kernel(impl)
         return impl
     if impl == "auto":
         if device.type == "cuda":
             for name in ("cute", "triton"):
-                if importlib.util.find_spec(f"fm_parallel.kernels.{name}") is not None:
+                try:
+                    _kernel(name)
                     return name
+                except ValueError:
+                    continue
         return "torch"
     return impl
 
@@ -226,5 +236,6 @@ def flashmask_attention(
     elif impl == "torch":
         out, lse = blockwise_attention(q, k, v, mask, positions, scale, block_size, block_size)
     else:
-        out, lse = _kernel(impl).attention(q, k, v, mask, positions, scale)
+        offset = q_offset if q_positions is None else None  # lets the backend cache its launch plan
+        out, lse = _kernel(impl).attention(q, k, v, mask, positions, scale, offset)
     return (out, lse) if return_lse else out

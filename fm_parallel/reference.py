@@ -66,13 +66,12 @@ def reference_attention(
 # --------------------------------------------------------------- blockwise
 @dataclass
 class _RowBlock:
-    """What one block of queries visits: key column spans to gather and the partial columns among them."""
+    """What one block of queries visits: key column spans to gather and the partial tiles among them."""
 
     r0: int
     r1: int
     spans: list[tuple[int, int]]
-    part_local: torch.Tensor | None  # [P] positions of partial-tile columns inside the gathered keys
-    part_global: torch.Tensor | None  # [P] their key indices
+    partial: list[tuple[int, int, int]]  # (offset inside the gathered keys, first key, end key) per partial tile
 
 
 def _plan(mask: FlashMask, positions: torch.Tensor, block_q: int, block_k: int) -> list[list[_RowBlock]]:
@@ -85,30 +84,20 @@ def _plan(mask: FlashMask, positions: torch.Tensor, block_q: int, block_k: int) 
         blocks = []
         for i, tiles in enumerate(row_classes):
             spans: list[tuple[int, int]] = []
-            part_local: list[torch.Tensor] = []
-            part_global: list[torch.Tensor] = []
+            partial: list[tuple[int, int, int]] = []
             width = 0
             for c, cls in enumerate(tiles):
                 if cls == TileClass.SKIP:
                     continue
                 c0, c1 = c * block_k, min((c + 1) * block_k, nk)
                 if cls == TileClass.PARTIAL:
-                    part_local.append(torch.arange(width, width + c1 - c0))
-                    part_global.append(torch.arange(c0, c1))
+                    partial.append((width, c0, c1))
                 if spans and spans[-1][1] == c0:
                     spans[-1] = (spans[-1][0], c1)
                 else:
                     spans.append((c0, c1))
                 width += c1 - c0
-            blocks.append(
-                _RowBlock(
-                    i * block_q,
-                    min((i + 1) * block_q, nq),
-                    spans,
-                    torch.cat(part_local).to(mask.device) if part_local else None,
-                    torch.cat(part_global).to(mask.device) if part_global else None,
-                )
-            )
+            blocks.append(_RowBlock(i * block_q, min((i + 1) * block_q, nq), spans, partial))
         plans.append(blocks)
     return plans
 
@@ -120,21 +109,20 @@ def _gather(x: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
     return torch.cat([x[..., c0:c1, :] for c0, c1 in spans], dim=-2)
 
 
-def _scores(q_t, k_t, blk: _RowBlock, mask: FlashMask, grp, rows: torch.Tensor, scale: float, g_n: int):
-    """Scaled scores ``[b, kv, g*br, nc]`` with -inf on the masked entries of partial tiles only."""
-    s = torch.matmul(q_t, k_t.transpose(-1, -2)) * scale
-    if blk.part_local is not None:
-        fms = mask.fms[grp.mask_b, grp.mask_h].index_select(0, blk.part_global)  # [P, M]
-        fme = mask.fme[grp.mask_b, grp.mask_h].index_select(0, blk.part_global)
+def _scores(q_t, k_t, blk: _RowBlock, mask: FlashMask, grp, rows: torch.Tensor, g_n: int) -> torch.Tensor:
+    """Scores ``[b, kv, g*br, nc]`` (q_t already scaled), -inf on masked entries of partial tiles only."""
+    s = torch.matmul(q_t, k_t.transpose(-1, -2))
+    if blk.partial:
+        fms, fme = mask.fms[grp.mask_b, grp.mask_h], mask.fme[grp.mask_b, grp.mask_h]  # [Nk, M]
         r = rows.view(-1, 1, 1)
-        visible = ((fms <= r) & (r <= fme)).any(-1)  # [br, P]
-        visible = visible.repeat(g_n, 1)
-        part = s.index_select(-1, blk.part_local).masked_fill(~visible, float("-inf"))
-        s = s.index_copy(-1, blk.part_local, part)
+        s5 = s.unflatten(-2, (g_n, rows.numel()))  # [b, kv, g, br, nc] view
+        for offset, c0, c1 in blk.partial:
+            hidden = ~((fms[c0:c1] <= r) & (r <= fme[c0:c1])).any(-1)  # [br, w]
+            s5[..., offset : offset + c1 - c0].masked_fill_(hidden, float("-inf"))
     return s
 
 
-def _blockwise_forward(q, k, v, mask, positions, scale, block_q, block_k, plans):
+def _blockwise_forward(q, k, v, mask, positions, scale, plans):
     b, hq, nq, _ = q.shape
     hkv, dv = k.shape[1], v.shape[-1]
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -149,14 +137,16 @@ def _blockwise_forward(q, k, v, mask, positions, scale, block_q, block_k, plans)
             if not blk.spans:
                 continue  # every tile skipped: out stays 0, lse stays -inf
             br = blk.r1 - blk.r0
-            q_t = q_g[..., blk.r0 : blk.r1, :].reshape(bn, kn, gn * br, -1).to(cdt)
+            q_t = q_g[..., blk.r0 : blk.r1, :].reshape(bn, kn, gn * br, -1).to(cdt) * scale
             k_t, v_t = _gather(k_g, blk.spans).to(cdt), _gather(v_g, blk.spans).to(cdt)
-            s = _scores(q_t, k_t, blk, mask, grp, positions[blk.r0 : blk.r1], scale, gn)
-            lse = torch.logsumexp(s, dim=-1)
-            p = torch.exp(s - _safe(lse).unsqueeze(-1))
-            o = torch.matmul(p, v_t)
+            s = _scores(q_t, k_t, blk, mask, grp, positions[blk.r0 : blk.r1], gn)
+            # Softmax in place on the score buffer; rows that see nothing have max -inf and sum 0.
+            mx = s.amax(dim=-1, keepdim=True)
+            p = s.sub_(_safe(mx)).exp_()
+            total = p.sum(dim=-1, keepdim=True)
+            o = torch.matmul(p, v_t) / torch.where(total > 0, total, torch.ones_like(total))
             out5[grp.batch, grp.kv, grp.group, blk.r0 : blk.r1] = o.view(bn, kn, gn, br, dv).to(q.dtype)
-            lse5[grp.batch, grp.kv, grp.group, blk.r0 : blk.r1] = lse.view(bn, kn, gn, br)
+            lse5[grp.batch, grp.kv, grp.group, blk.r0 : blk.r1] = (mx + total.log()).view(bn, kn, gn, br)
     return out5.view(b, hq, nq, dv), lse5.view(b, hq, nq)
 
 
@@ -181,17 +171,15 @@ def _blockwise_backward(q, k, v, out, lse, dout, dlse, mask, positions, scale, p
                 continue
             br = blk.r1 - blk.r0
             rows = slice(blk.r0, blk.r1)
-            q_t = q_g[..., rows, :].reshape(bn, kn, gn * br, -1).to(cdt)
+            q_t = q_g[..., rows, :].reshape(bn, kn, gn * br, -1).to(cdt) * scale
             do_t = do_g[..., rows, :].reshape(bn, kn, gn * br, -1).to(cdt)
             lse_t = lse5[grp.batch, grp.kv, grp.group, rows].reshape(bn, kn, gn * br, 1).to(cdt)
             delta_t = delta5[grp.batch, grp.kv, grp.group, rows].reshape(bn, kn, gn * br, 1)
             k_t, v_t = _gather(k_g, blk.spans).to(cdt), _gather(v_g, blk.spans).to(cdt)
-            s = _scores(q_t, k_t, blk, mask, grp, positions[rows], scale, gn)
-            p = torch.exp(s - _safe(lse_t))
-            dp = torch.matmul(do_t, v_t.transpose(-1, -2))
-            ds = p * (dp - delta_t)
+            p = _scores(q_t, k_t, blk, mask, grp, positions[rows], gn).sub_(_safe(lse_t)).exp_()
+            ds = torch.matmul(do_t, v_t.transpose(-1, -2)).sub_(delta_t).mul_(p)
             dq5[grp.batch, grp.kv, grp.group, rows] = (torch.matmul(ds, k_t) * scale).view(bn, kn, gn, br, -1)
-            dk_t = torch.matmul(ds.transpose(-1, -2), q_t) * scale
+            dk_t = torch.matmul(ds.transpose(-1, -2), q_t)  # q_t carries the scale
             dv_t = torch.matmul(p.transpose(-1, -2), do_t)
             offset = 0
             for c0, c1 in blk.spans:
@@ -206,7 +194,7 @@ class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, positions, scale, block_q, block_k):
         plans = _plan(mask, positions, block_q, block_k)
-        out, lse = _blockwise_forward(q, k, v, mask, positions, scale, block_q, block_k, plans)
+        out, lse = _blockwise_forward(q, k, v, mask, positions, scale, plans)
         ctx.save_for_backward(q, k, v, out, lse, positions)
         ctx.mask, ctx.scale, ctx.plans = mask, scale, plans
         return out, lse

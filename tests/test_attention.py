@@ -71,8 +71,11 @@ def test_per_head_dense_mask():
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
 
 
-def test_explicit_impl_is_honoured_or_raises():
+def test_explicit_impl_is_honoured_or_raises(monkeypatch):
     q, k, v = qkv(1, 1, 1, 8, 8, torch.float32)
+    with pytest.raises(ValueError, match="impl: 'cute' needs CUDA tensors, got device cpu"):
+        flashmask_attention(q, k, v, impl="cute")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # outside the interpreter Triton needs a GPU
     with pytest.raises(ValueError, match="impl: 'triton' needs CUDA tensors, got device cpu"):
         flashmask_attention(q, k, v, impl="triton")
     with pytest.raises(ValueError, match=r"impl: expected one of \('auto', 'cute', 'triton', 'torch', 'dense'\), got 'fast'"):

@@ -59,7 +59,7 @@ class FlashMask:
     Empty intervals are stored canonically as ``(num_rows, -1)``.
     """
 
-    __slots__ = ("fms", "fme", "num_rows", "_summaries")
+    __slots__ = ("fms", "fme", "num_rows", "_cache")
 
     def __init__(self, fms: torch.Tensor, fme: torch.Tensor, num_rows: int | None = None, *, validate: bool = True):
         fms, fme = _as_bounds("fms", fms), _as_bounds("fme", fme)
@@ -80,7 +80,8 @@ class FlashMask:
             fms = torch.where(empty, torch.full_like(fms, num_rows), fms)
             fme = torch.where(empty, torch.full_like(fme, -1), fme)
         self.fms, self.fme, self.num_rows = fms.contiguous(), fme.contiguous(), num_rows
-        self._summaries: dict = {}
+        # Derived data (block summaries, kernel plans) keyed by what they depend on; the bounds are never mutated.
+        self._cache: dict = {}
 
     # ----------------------------------------------------------------- shape
     @property
@@ -157,9 +158,13 @@ class FlashMask:
         """Min/max of the bounds per key block of ``block`` columns (cached per block size)."""
         from fm_parallel.masks.blocks import summarize
 
-        if block not in self._summaries:
-            self._summaries[block] = summarize(self, block)
-        return self._summaries[block]
+        return self.cached(("summary", block), lambda: summarize(self, block))
+
+    def cached(self, key, make):
+        """``make()``, computed once per mask and ``key`` (for data derived from the bounds alone)."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
 
     def stats(self, block: int = 128) -> MaskStats:
         """Tile counts (square ``block`` x ``block`` tiles) and density, for ``num_rows`` x ``Nk``."""

@@ -164,6 +164,7 @@ def test_flex_mask_mod_matches_dense(heads):
     assert torch.equal(gqa, picture.repeat_interleave(2, dim=1))
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_attention_agrees_on_cpu():
     from torch.nn.attention.flex_attention import flex_attention
 

@@ -1,0 +1,165 @@
+"""Launchers and autograd for the Triton FlashMask kernels (``impl="triton"``).
+
+``attention(q, k, v, mask, positions, scale)`` is the backend entry point used by
+``fm_parallel.flashmask_attention``; ``flashmask_fwd`` / ``flashmask_bwd`` are the launchers that
+the distributed wrappers call directly with their own merge logic. Block plans are built from the
+shared tile rule (plan.py) once per mask, block shape and query offset, and cached on the mask.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from fm_parallel.kernels.plan import BlockSparsePlan, build_plan
+from fm_parallel.kernels.triton_kernels import (
+    LOG2E,
+    flashmask_bwd_kv_kernel,
+    flashmask_bwd_q_kernel,
+    flashmask_fwd_kernel,
+)
+from fm_parallel.masks.flashmask import FlashMask
+
+__all__ = ["attention", "flashmask_fwd", "flashmask_bwd", "KernelConfig", "config_for"]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Hopper (H200) block shapes per pass and head dim, chosen with launch/bench/kernel.py.
+_HOPPER = {
+    "fwd": {64: KernelConfig(128, 128, 8, 3), 128: KernelConfig(128, 64, 8, 3), 256: KernelConfig(128, 64, 8, 2)},
+    "bwd_kv": {64: KernelConfig(64, 128, 8, 2), 128: KernelConfig(64, 128, 8, 2), 256: KernelConfig(32, 64, 4, 2)},
+    "bwd_q": {64: KernelConfig(128, 64, 8, 2), 128: KernelConfig(128, 64, 8, 2), 256: KernelConfig(64, 64, 4, 2)},
+}
+# The interpreter runs one fixed, small config (autotuning does not work there).
+_INTERPRET = KernelConfig(32, 32, 4, 1)
+
+
+def config_for(kind: str, head_dim: int) -> KernelConfig:
+    if _interpreting():
+        return _INTERPRET
+    table = _HOPPER[kind]
+    return table[min((d for d in table if d >= head_dim), default=max(table))]
+
+
+def _plan(mask: FlashMask, positions: torch.Tensor, cfg: KernelConfig, transposed: bool, q_offset: int | None):
+    make = lambda: build_plan(mask, positions, cfg.block_m, cfg.block_n, transposed)  # noqa: E731
+    if q_offset is None:  # arbitrary positions: no cheap key to cache on
+        return make()
+    return mask.cached(("triton_plan", cfg.block_m, cfg.block_n, transposed, q_offset, positions.numel()), make)
+
+
+def _meta(q, v, mask: FlashMask):
+    b, hq, nq, d = q.shape
+    hkv, nk = v.shape[1], v.shape[2]
+    return dict(
+        Nq=nq, Nk=nk, Hq=hq, Hm=mask.heads, Bm=mask.batch,
+        q_per_kv=hq // hkv, q_per_mask_head=hq // mask.heads,
+        D=d, DV=v.shape[-1], BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(v.shape[-1]),
+        M_INT=mask.max_intervals, UPCAST=_interpreting(),
+    )
+
+
+def _buffer_dtype(dtype: torch.dtype) -> torch.dtype:
+    # The interpreter truncates float32 -> bfloat16 stores instead of rounding (twice the error):
+    # there, kernels write float32 and torch rounds afterwards.
+    return torch.float32 if _interpreting() and dtype == torch.bfloat16 else dtype
+
+
+def _plan_args(plan: BlockSparsePlan):
+    return plan.full_offsets, plan.full_runs, plan.part_offsets, plan.part_runs
+
+
+def flashmask_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None):
+    """Forward launcher. Returns ``out [B, Hq, Nq, DV]`` (q's dtype) and ``lse [B, Hq, Nq]`` float32."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    b, hq, nq, _ = q.shape
+    cfg = config_for("fwd", q.shape[-1])
+    plan = _plan(mask, positions, cfg, False, q_offset)
+    out = torch.empty(*q.shape[:3], v.shape[-1], dtype=_buffer_dtype(q.dtype), device=q.device)
+    lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
+    pos = positions.to(torch.int32)
+    grid = (plan.num_outer, b * hq)
+    flashmask_fwd_kernel[grid](
+        q, k, v, out, lse, mask.fms, mask.fme, pos, *_plan_args(plan),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        mask.fms.stride(0), mask.fms.stride(1),
+        num_q_blocks=plan.num_outer, qk_scale=scale * LOG2E,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_meta(q, v, mask),
+    )
+    return out.to(q.dtype), lse
+
+
+def flashmask_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale, dlse=None, q_offset=None):
+    """Backward launcher: ``(dq, dk, dv)`` in the inputs' dtypes. ``dlse``: gradient of the lse output."""
+    q, k, v, out, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, out, dout))
+    b, hq, nq, d = q.shape
+    hkv = k.shape[1]
+    delta = (dout.float() * out.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.float()  # d lse_i / d s_ij = p_ij folds into the same correction
+    delta = delta.contiguous()
+    lse = lse.contiguous()
+    pos = positions.to(torch.int32)
+    meta = _meta(q, v, mask)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
+
+    dk = torch.empty_like(k, dtype=_buffer_dtype(k.dtype))
+    dv = torch.empty_like(v, dtype=_buffer_dtype(v.dtype))
+    cfg = config_for("bwd_kv", d)
+    plan = _plan(mask, positions, cfg, True, q_offset)
+    flashmask_bwd_kv_kernel[(plan.num_outer, b * hkv)](
+        q, k, v, dout, lse, delta, dk, dv, mask.fms, mask.fme, pos, *_plan_args(plan),
+        *strides, *dk.stride()[:3], *dv.stride()[:3], mask.fms.stride(0), mask.fms.stride(1),
+        Hkv=hkv, num_k_blocks=plan.num_outer, qk_scale=scale * LOG2E, scale=scale,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **meta,
+    )
+
+    dq = torch.empty_like(q, dtype=_buffer_dtype(q.dtype))
+    cfg = config_for("bwd_q", d)
+    plan = _plan(mask, positions, cfg, False, q_offset)
+    flashmask_bwd_q_kernel[(plan.num_outer, b * hq)](
+        q, k, v, dout, lse, delta, dq, mask.fms, mask.fme, pos, *_plan_args(plan),
+        *strides, *dq.stride()[:3], mask.fms.stride(0), mask.fms.stride(1),
+        num_q_blocks=plan.num_outer, qk_scale=scale * LOG2E, scale=scale,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **meta,
+    )
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _TritonFlashMask(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, positions, scale, q_offset):
+        out, lse = flashmask_fwd(q, k, v, mask, positions, scale, q_offset)
+        ctx.save_for_backward(q, k, v, out, lse, positions)
+        ctx.mask, ctx.scale, ctx.q_offset = mask, scale, q_offset
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, positions = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = flashmask_bwd(q, k, v, out, lse, dout, ctx.mask, positions, ctx.scale, dlse, ctx.q_offset)
+        return dq, dk, dv, None, None, None, None
+
+
+def attention(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None):
+    """Differentiable FlashMask attention on the GPU (inputs validated by the caller)."""
+    return _TritonFlashMask.apply(q, k, v, mask, positions, scale, q_offset)

@@ -1,0 +1,31 @@
+"""The README's main job and the CPU benchmark run end to end (small sizes; no timing asserted)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quickstart_runs_and_agrees_with_dense_attention():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "quickstart.py"), "--n", "512", "--heads", "2", "--head-dim", "16"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "All masks agree with dense attention: yes" in proc.stdout
+    assert "packed docs (seed)" in proc.stdout and "274.9 GB" in proc.stdout
+
+
+def test_cpu_benchmark_writes_json_table_and_plot(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "bench" / "cpu_attention.py"), "--n", "256", "--quick", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((tmp_path / "cpu_attention.json").read_text())
+    assert len(data["rows"]) == 12 and not [r for r in data["rows"] if "error" in r]
+    assert all(r["time_ms"] > 0 and "peak_mib" in r for r in data["rows"])
+    assert (tmp_path / "cpu_attention.png").stat().st_size > 0
+    assert "| docs512 | 256 | fwd |" in (tmp_path / "cpu_attention.md").read_text()
