@@ -38,11 +38,13 @@ class KernelConfig:
     num_stages: int
 
 
-# Hopper (H200) block shapes per pass and head dim, chosen with launch/bench/kernel.py.
+# Hopper (H200) block shapes per pass and head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages).
+# D=128 from launch/bench/tune_triton.py (docs/benchmarks/tune_triton.json: 64 x 64 tiles won every
+# pass on causal and packed-document masks at 16k); D=64 and 256 not swept yet.
 _HOPPER = {
-    "fwd": {64: KernelConfig(128, 128, 8, 3), 128: KernelConfig(128, 64, 8, 3), 256: KernelConfig(128, 64, 8, 2)},
-    "bwd_kv": {64: KernelConfig(64, 128, 8, 2), 128: KernelConfig(64, 128, 8, 2), 256: KernelConfig(32, 64, 4, 2)},
-    "bwd_q": {64: KernelConfig(128, 64, 8, 2), 128: KernelConfig(128, 64, 8, 2), 256: KernelConfig(64, 64, 4, 2)},
+    "fwd": {64: KernelConfig(64, 64, 4, 3), 128: KernelConfig(64, 64, 4, 3), 256: KernelConfig(64, 64, 8, 2)},
+    "bwd_kv": {64: KernelConfig(64, 64, 4, 2), 128: KernelConfig(64, 64, 4, 2), 256: KernelConfig(32, 64, 8, 2)},
+    "bwd_q": {64: KernelConfig(64, 64, 4, 2), 128: KernelConfig(64, 64, 4, 2), 256: KernelConfig(64, 32, 8, 2)},
 }
 # The interpreter runs one fixed, small config (autotuning does not work there).
 _INTERPRET = KernelConfig(32, 32, 4, 1)
@@ -70,6 +72,8 @@ def _meta(q, v, mask: FlashMask):
         q_per_kv=hq // hkv, q_per_mask_head=hq // mask.heads,
         D=d, DV=v.shape[-1], BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(v.shape[-1]),
         M_INT=mask.max_intervals, UPCAST=_interpreting(),
+        # float32 inputs get full-precision dots (Triton's default would be TF32); halves ignore it.
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",
     )
 
 
@@ -104,43 +108,57 @@ def flashmask_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: floa
     return out.to(q.dtype), lse
 
 
-def flashmask_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale, dlse=None, q_offset=None):
-    """Backward launcher: ``(dq, dk, dv)`` in the inputs' dtypes. ``dlse``: gradient of the lse output."""
-    q, k, v, out, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, out, dout))
-    b, hq, nq, d = q.shape
-    hkv = k.shape[1]
+def _delta(out, dout, dlse):
+    """Backward preprocess: ``rowsum(dO * O) - dlse``, ``[B, Hq, Nq]`` float32."""
     delta = (dout.float() * out.float()).sum(-1)
     if dlse is not None:
         delta = delta - dlse.float()  # d lse_i / d s_ij = p_ij folds into the same correction
-    delta = delta.contiguous()
-    lse = lse.contiguous()
-    pos = positions.to(torch.int32)
-    meta = _meta(q, v, mask)
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
+    return delta.contiguous()
 
+
+def bwd_kv(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset=None):
+    """dK, dV: one program per key block, looping over the query blocks that see it (all query heads of its KV head)."""
+    b, hq, nq, d = q.shape
+    hkv = k.shape[1]
     dk = torch.empty_like(k, dtype=_buffer_dtype(k.dtype))
     dv = torch.empty_like(v, dtype=_buffer_dtype(v.dtype))
     cfg = config_for("bwd_kv", d)
     plan = _plan(mask, positions, cfg, True, q_offset)
     flashmask_bwd_kv_kernel[(plan.num_outer, b * hkv)](
-        q, k, v, dout, lse, delta, dk, dv, mask.fms, mask.fme, pos, *_plan_args(plan),
-        *strides, *dk.stride()[:3], *dv.stride()[:3], mask.fms.stride(0), mask.fms.stride(1),
+        q, k, v, dout, lse, delta, dk, dv, mask.fms, mask.fme, positions.to(torch.int32), *_plan_args(plan),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
+        *dk.stride()[:3], *dv.stride()[:3], mask.fms.stride(0), mask.fms.stride(1),
         Hkv=hkv, num_k_blocks=plan.num_outer, qk_scale=scale * LOG2E, scale=scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **meta,
+        **_meta(q, v, mask),
     )
+    return dk.to(k.dtype), dv.to(v.dtype)
 
+
+def bwd_q(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset=None):
+    """dQ: a separate pass over the forward's tiles (deterministic: no atomics)."""
+    b, hq, nq, d = q.shape
     dq = torch.empty_like(q, dtype=_buffer_dtype(q.dtype))
     cfg = config_for("bwd_q", d)
     plan = _plan(mask, positions, cfg, False, q_offset)
     flashmask_bwd_q_kernel[(plan.num_outer, b * hq)](
-        q, k, v, dout, lse, delta, dq, mask.fms, mask.fme, pos, *_plan_args(plan),
-        *strides, *dq.stride()[:3], mask.fms.stride(0), mask.fms.stride(1),
+        q, k, v, dout, lse, delta, dq, mask.fms, mask.fme, positions.to(torch.int32), *_plan_args(plan),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
+        *dq.stride()[:3], mask.fms.stride(0), mask.fms.stride(1),
         num_q_blocks=plan.num_outer, qk_scale=scale * LOG2E, scale=scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **meta,
+        **_meta(q, v, mask),
     )
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.to(q.dtype)
+
+
+def flashmask_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale, dlse=None, q_offset=None):
+    """Backward launcher: ``(dq, dk, dv)`` in the inputs' dtypes. ``dlse``: gradient of the lse output."""
+    q, k, v, out, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, out, dout))
+    delta, lse = _delta(out, dout, dlse), lse.contiguous()
+    dk, dv = bwd_kv(q, k, v, dout, lse, delta, mask, positions, scale, q_offset)
+    dq = bwd_q(q, k, v, dout, lse, delta, mask, positions, scale, q_offset)
+    return dq, dk, dv
 
 
 class _TritonFlashMask(torch.autograd.Function):

@@ -17,14 +17,21 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _visible(fm_s, fm_e, b_pos, offs_n, Nk, M_INT: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] bool: row b_pos sees key offs_n under any of the M intervals."""
+def _visible(fm_s, fm_e, b_pos, offs_n, Nk, M_INT: tl.constexpr, KEYS_FIRST: tl.constexpr):
+    """Row b_pos sees key offs_n under any of the M intervals: [BLOCK_M, BLOCK_N] bool,
+    or [BLOCK_N, BLOCK_M] when KEYS_FIRST (the dK/dV pass works on transposed tiles)."""
     in_range = offs_n < Nk
-    vis = tl.zeros([b_pos.shape[0], offs_n.shape[0]], dtype=tl.int1)
+    if KEYS_FIRST:
+        vis = tl.zeros([offs_n.shape[0], b_pos.shape[0]], dtype=tl.int1)
+    else:
+        vis = tl.zeros([b_pos.shape[0], offs_n.shape[0]], dtype=tl.int1)
     for m in tl.static_range(M_INT):
         lo = tl.load(fm_s + offs_n * M_INT + m, mask=in_range, other=2147483647)
         hi = tl.load(fm_e + offs_n * M_INT + m, mask=in_range, other=-1)
-        vis = vis | ((lo[None, :] <= b_pos[:, None]) & (b_pos[:, None] <= hi[None, :]))
+        if KEYS_FIRST:
+            vis = vis | ((lo[:, None] <= b_pos[None, :]) & (b_pos[None, :] <= hi[:, None]))
+        else:
+            vis = vis | ((lo[None, :] <= b_pos[:, None]) & (b_pos[:, None] <= hi[None, :]))
     return vis
 
 
@@ -32,7 +39,7 @@ def _visible(fm_s, fm_e, b_pos, offs_n, Nk, M_INT: tl.constexpr):
 def _fwd_tile(
     acc, m_i, l_i, b_q, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn, qk_scale,
     offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = offs_n < Nk
@@ -41,16 +48,16 @@ def _fwd_tile(
     if UPCAST:
         b_kt = b_kt.to(tl.float32)
         b_v = b_v.to(tl.float32)
-    b_s = tl.dot(b_q, b_kt) * qk_scale
+    b_s = tl.dot(b_q, b_kt, input_precision=PREC) * qk_scale
     if MASKED:
-        b_s = tl.where(_visible(fm_s, fm_e, b_pos, offs_n, Nk, M_INT), b_s, float("-inf"))
+        b_s = tl.where(_visible(fm_s, fm_e, b_pos, offs_n, Nk, M_INT, False), b_s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(b_s, 1))
     # Rows that have seen nothing yet keep max -inf; shift by 0 there so exp2 gives 0, not NaN.
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     b_p = tl.math.exp2(b_s - m_shift[:, None])
     alpha = tl.math.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(b_p, 1)
-    acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+    acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PREC)
     return acc, m_new, l_i
 
 
@@ -63,7 +70,7 @@ def flashmask_fwd_kernel(
     stride_mb, stride_mh,
     Nq, Nk, Hq, Hm, Bm, num_q_blocks, q_per_kv, q_per_mask_head, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -99,7 +106,7 @@ def flashmask_fwd_kernel(
         kb1 = tl.load(FULL_RUNS + 2 * r + 1)
         for kb in range(kb0, kb1):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, b_q, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn,
-                                      qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, False, UPCAST)
+                                      qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, False, UPCAST, PREC)
     r0 = tl.load(PART_OFF + row)
     r1 = tl.load(PART_OFF + row + 1)
     for r in range(r0, r1):
@@ -107,7 +114,7 @@ def flashmask_fwd_kernel(
         kb1 = tl.load(PART_RUNS + 2 * r + 1)
         for kb in range(kb0, kb1):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, b_q, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn,
-                                      qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, True, UPCAST)
+                                      qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, True, UPCAST, PREC)
 
     seen = l_i > 0
     b_o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -122,28 +129,30 @@ def _bwd_kv_tile(
     b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, POS, fm_s, fm_e, qb, offs_n, Nq, Nk,
     stride_qn, stride_don, qk_scale, offs_d, offs_dv,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, M_INT: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
+    # Works on transposed tiles (keys x queries) so that no register tile needs a transpose:
+    # only the loaded q block is read transposed.
     offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
     in_m = offs_m < Nq
-    b_q = tl.load(p_q + offs_m[:, None] * stride_qn + offs_d[None, :], mask=in_m[:, None] & (offs_d[None, :] < D), other=0.0)
+    b_qt = tl.load(p_q + offs_m[None, :] * stride_qn + offs_d[:, None], mask=in_m[None, :] & (offs_d[:, None] < D), other=0.0)
     b_do = tl.load(p_do + offs_m[:, None] * stride_don + offs_dv[None, :], mask=in_m[:, None] & (offs_dv[None, :] < DV), other=0.0)
     if UPCAST:
-        b_q = b_q.to(tl.float32)
+        b_qt = b_qt.to(tl.float32)
         b_do = b_do.to(tl.float32)
     # lse is +inf (not -inf) for padding rows and rows that see nothing, so their probabilities are 0.
     b_lse = tl.load(p_lse + offs_m, mask=in_m, other=float("inf"))
     b_lse = tl.where(b_lse == float("-inf"), float("inf"), b_lse * 1.4426950408889634)
     b_delta = tl.load(p_delta + offs_m, mask=in_m, other=0.0)
-    b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
-    b_p = tl.math.exp2(b_s - b_lse[:, None])
+    b_st = tl.dot(b_k, b_qt, input_precision=PREC) * qk_scale
+    b_pt = tl.math.exp2(b_st - b_lse[None, :])
     if MASKED:
         b_pos = tl.load(POS + offs_m, mask=in_m, other=-1)
-        b_p = tl.where(_visible(fm_s, fm_e, b_pos, offs_n, Nk, M_INT), b_p, 0.0)
-    b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
-    b_dp = tl.dot(b_do, tl.trans(b_v))
-    b_ds = b_p * (b_dp - b_delta[:, None])
-    b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q)
+        b_pt = tl.where(_visible(fm_s, fm_e, b_pos, offs_n, Nk, M_INT, True), b_pt, 0.0)
+    b_dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=PREC)
+    b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
+    b_dst = b_pt * (b_dpt - b_delta[None, :])
+    b_dk += tl.dot(b_dst.to(b_qt.dtype), tl.trans(b_qt), input_precision=PREC)
     return b_dk, b_dv
 
 
@@ -157,7 +166,7 @@ def flashmask_bwd_kv_kernel(
     stride_mb, stride_mh,
     Nq, Nk, Hq, Hkv, Hm, Bm, num_k_blocks, q_per_kv, q_per_mask_head, qk_scale, scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -196,7 +205,7 @@ def flashmask_bwd_kv_kernel(
             for qb in range(qb0, qb1):
                 b_dk, b_dv = _bwd_kv_tile(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, POS, fm_s, fm_e, qb, offs_n,
                                           Nq, Nk, stride_qn, stride_don, qk_scale, offs_d, offs_dv,
-                                          D, DV, BLOCK_M, M_INT, False, UPCAST)
+                                          D, DV, BLOCK_M, M_INT, False, UPCAST, PREC)
         r0 = tl.load(PART_OFF + row)
         r1 = tl.load(PART_OFF + row + 1)
         for r in range(r0, r1):
@@ -205,7 +214,7 @@ def flashmask_bwd_kv_kernel(
             for qb in range(qb0, qb1):
                 b_dk, b_dv = _bwd_kv_tile(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, POS, fm_s, fm_e, qb, offs_n,
                                           Nq, Nk, stride_qn, stride_don, qk_scale, offs_d, offs_dv,
-                                          D, DV, BLOCK_M, M_INT, True, UPCAST)
+                                          D, DV, BLOCK_M, M_INT, True, UPCAST, PREC)
     tl.store(DK + b * stride_dkb + kvh * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
              (b_dk * scale).to(DK.dtype.element_ty), mask=in_n[:, None] & (offs_d[None, :] < D))
     tl.store(DV_OUT + b * stride_dvb + kvh * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :],
@@ -216,7 +225,7 @@ def flashmask_bwd_kv_kernel(
 def _bwd_q_tile(
     b_dq, b_q, b_do, b_lse, b_delta, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn, qk_scale,
     offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = offs_n < Nk
@@ -225,13 +234,13 @@ def _bwd_q_tile(
     if UPCAST:
         b_k = b_k.to(tl.float32)
         b_v = b_v.to(tl.float32)
-    b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * qk_scale
     b_p = tl.math.exp2(b_s - b_lse[:, None])
     if MASKED:
-        b_p = tl.where(_visible(fm_s, fm_e, b_pos, offs_n, Nk, M_INT), b_p, 0.0)
-    b_dp = tl.dot(b_do, tl.trans(b_v))
+        b_p = tl.where(_visible(fm_s, fm_e, b_pos, offs_n, Nk, M_INT, False), b_p, 0.0)
+    b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PREC)
     b_ds = b_p * (b_dp - b_delta[:, None])
-    b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)
+    b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PREC)
     return b_dq
 
 
@@ -244,7 +253,7 @@ def flashmask_bwd_q_kernel(
     stride_dqb, stride_dqh, stride_dqn, stride_mb, stride_mh,
     Nq, Nk, Hq, Hm, Bm, num_q_blocks, q_per_kv, q_per_mask_head, qk_scale, scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -281,7 +290,7 @@ def flashmask_bwd_q_kernel(
         kb1 = tl.load(FULL_RUNS + 2 * r + 1)
         for kb in range(kb0, kb1):
             b_dq = _bwd_q_tile(b_dq, b_q, b_do, b_lse, b_delta, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn,
-                               qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, False, UPCAST)
+                               qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, False, UPCAST, PREC)
     r0 = tl.load(PART_OFF + row)
     r1 = tl.load(PART_OFF + row + 1)
     for r in range(r0, r1):
@@ -289,6 +298,6 @@ def flashmask_bwd_q_kernel(
         kb1 = tl.load(PART_RUNS + 2 * r + 1)
         for kb in range(kb0, kb1):
             b_dq = _bwd_q_tile(b_dq, b_q, b_do, b_lse, b_delta, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn,
-                               qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, True, UPCAST)
+                               qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, True, UPCAST, PREC)
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :],
              (b_dq * scale).to(DQ.dtype.element_ty), mask=in_m[:, None] & (offs_d[None, :] < D))

@@ -25,7 +25,7 @@ def qkv(b, hq, hkv, n, d, dtype, seed=0, nk=None, dv=None):
 
 def plain_sdpa(q, k, v, mask, positions=None):
     """SDPA in q's dtype with the dense bool mask; rows that see nothing are zeroed (SDPA gives NaN)."""
-    rows = torch.arange(q.shape[2]) if positions is None else positions
+    rows = torch.arange(q.shape[2], device=q.device) if positions is None else positions
     dense = mask.to_dense(rows=rows)  # [Bm, Hm, Nq, Nk]
     hq, hkv = q.shape[1], k.shape[1]
     if dense.shape[1] == hkv and hkv != hq:
@@ -52,7 +52,7 @@ def grads(fn, inputs, dout):
 def assert_matches_reference(fn, q, k, v, mask, positions=None, seed=1):
     """Compare fn() (output and q/k/v gradients) with the float64 reference, tolerance derived as above."""
     g = torch.Generator().manual_seed(seed)
-    dout = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=g).to(q.dtype)
+    dout = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=g).to(q.device, q.dtype)
     inputs = (q, k, v)
     ours, ours_g = grads(fn, inputs, dout)
     base, base_g = grads(lambda: plain_sdpa(q, k, v, mask, positions), inputs, dout)

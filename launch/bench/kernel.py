@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -178,6 +178,7 @@ def run_case(name, n, heads, d, impls, quick, peers) -> list[dict]:
 
 
 def load_peers(impls) -> dict:
+    warnings.filterwarnings("ignore", message="_compile flag on create_block_mask")
     import torch._dynamo
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -231,12 +232,16 @@ def main() -> None:
         cases += [(m, args.extra_dims_at, d) for d in (64, 256) if d not in args.head_dims for m in args.masks if m != "multi"]
     cases += [("docs", n, 128) for n in args.long]
     rows, prep = [], []
+    args.out.mkdir(parents=True, exist_ok=True)
+    stream = open(args.out / f"{args.tag}.jsonl", "w")  # rows as they come: a run cut short keeps them
     for m, n, d in cases:
         impls = args.impls if n <= 131072 else [i for i in args.impls if i in ("triton", "flex")]
         new = run_case(m, n, args.heads, d, impls, args.quick, peers)
         rows += new
         for r in new:
-            print(json.dumps(r), flush=True)
+            print(" ".join(f"{k_}={v_:.4g}" if isinstance(v_, float) else f"{k_}={v_}" for k_, v_ in r.items()), flush=True)
+            stream.write(json.dumps(r) + "\n")
+            stream.flush()
     for n in sorted({n for _, n, _ in cases}):
         prep.append(dict(mask="docs", n=n, **prep_ms("docs", n, 128)))
         print(json.dumps(prep[-1]), flush=True)
