@@ -70,15 +70,16 @@ def _positions(nq: int, q_offset, q_positions, device) -> torch.Tensor:
         if q_positions.shape != (nq,):
             raise ValueError(f"q_positions: expected shape [{nq}] (one row per query), got {tuple(q_positions.shape)}")
         pos = q_positions.to(device=device, dtype=torch.int64)
-        if int(pos.min()) < 0:
-            raise ValueError(f"q_positions: expected rows >= 0, got min {int(pos.min())}")
-        return pos
+        low, high = torch.aminmax(pos)
+        if int(low) < 0 or int(high) > 2**31 - 1:
+            raise ValueError(f"q_positions: expected rows in [0, 2**31), got [{int(low)}, {int(high)}]")
+        return pos.to(torch.int32)
     if not isinstance(q_offset, int) or isinstance(q_offset, bool) or q_offset < 0:
         raise ValueError(f"q_offset: expected an int >= 0, got {q_offset!r}")
-    return torch.arange(q_offset, q_offset + nq, device=device)
+    return torch.arange(q_offset, q_offset + nq, device=device, dtype=torch.int32)
 
 
-def _check_mask(mask: FlashMask, b, hq, hkv, nk, device, positions) -> None:
+def _check_mask(mask: FlashMask, b, hq, hkv, nk, device, last_row: int) -> None:
     if mask.batch not in (1, b):
         raise ValueError(f"mask: expected batch 1 or {b}, got {mask.batch}")
     if mask.heads not in (1, hkv, hq):
@@ -87,10 +88,9 @@ def _check_mask(mask: FlashMask, b, hq, hkv, nk, device, positions) -> None:
         raise ValueError(f"mask: expected {nk} key columns (the length of k), got {mask.num_keys}")
     if mask.device != device:
         raise ValueError(f"mask: expected device {device} like q, got {mask.device}")
-    last = int(positions.max())
-    if last >= mask.num_rows:
+    if last_row >= mask.num_rows:
         raise ValueError(
-            f"q_offset/q_positions: expected query rows < the mask's num_rows {mask.num_rows}, got row {last}"
+            f"q_offset/q_positions: expected query rows < the mask's num_rows {mask.num_rows}, got row {last_row}"
         )
 
 
@@ -216,18 +216,19 @@ def flashmask_attention(
             )
             impl, dense_rows = "dense", (lambda r0, r1: dense[:, :, r0:r1])
     positions = _positions(nq, q_offset, q_positions, q.device)
+    # The last row is known without a device sync unless explicit positions were given.
+    last_row = int(positions.max()) if q_positions is not None else q_offset + nq - 1
     if mask is None and dense_rows is None:
         if fms is not None:
-            rows = max(nk, int(positions.max()) + 1)
-            mask = FlashMask(fms, fme, rows)
+            mask = FlashMask(fms, fme, max(nk, last_row + 1))
         elif is_causal:
             mask = builders.causal(nk).to(q.device)
         else:
-            mask = builders.full(nk, max(nk, int(positions.max()) + 1)).to(q.device)
+            mask = builders.full(nk, max(nk, last_row + 1)).to(q.device)
     if mask is not None:
         if not isinstance(mask, FlashMask):
             raise ValueError(f"mask: expected a FlashMask, got {type(mask).__name__}")
-        _check_mask(mask, b, hq, hkv, nk, q.device, positions)
+        _check_mask(mask, b, hq, hkv, nk, q.device, last_row)
 
     if impl == "dense":
         if dense_rows is None:

@@ -222,7 +222,7 @@ def blockwise_attention(
 
     Args:
         q: ``[B, Hq, Nq, D]``; k: ``[B, Hkv, Nk, D]``; v: ``[B, Hkv, Nk, Dv]``.
-        mask: FlashMask with ``Nk`` columns. positions: ``[Nq]`` int64 global query rows.
+        mask: FlashMask with ``Nk`` columns. positions: ``[Nq]`` int32 or int64 global query rows.
     Returns:
         ``out [B, Hq, Nq, Dv]`` in q's dtype, ``lse [B, Hq, Nq]`` float32 (float64 for float64 inputs;
         -inf where a row sees nothing).

@@ -40,6 +40,7 @@ class BlockSparsePlan:
     full_runs: torch.Tensor
     part_offsets: torch.Tensor
     part_runs: torch.Tensor
+    order: torch.Tensor  # [T_outer] int32: outer blocks by decreasing work, the launch order
 
     @property
     def tiles(self) -> tuple[int, int]:
@@ -78,4 +79,8 @@ def build_plan(
     cls = cls.reshape(-1, cls.shape[2])
     full_offsets, full_runs = _runs(cls == TileClass.FULL)
     part_offsets, part_runs = _runs(cls == TileClass.PARTIAL)
-    return BlockSparsePlan(block_m, block_n, transposed, num_outer, full_offsets, full_runs, part_offsets, part_runs)
+    # Programs start in grid order: launching the busiest blocks first keeps a long one (the last
+    # rows of a causal mask, rows that see a whole sequence) from running alone at the end.
+    work = (cls != TileClass.SKIP).view(-1, num_outer, cls.shape[1]).sum((0, 2))
+    order = torch.argsort(work, descending=True, stable=True).to(torch.int32)
+    return BlockSparsePlan(block_m, block_n, transposed, num_outer, full_offsets, full_runs, part_offsets, part_runs, order)

@@ -84,7 +84,7 @@ def _buffer_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _plan_args(plan: BlockSparsePlan):
-    return plan.full_offsets, plan.full_runs, plan.part_offsets, plan.part_runs
+    return plan.full_offsets, plan.full_runs, plan.part_offsets, plan.part_runs, plan.order
 
 
 def flashmask_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None):

@@ -64,7 +64,7 @@ def _fwd_tile(
 @triton.jit
 def flashmask_fwd_kernel(
     Q, K, V, O, LSE, FMS, FME, POS,
-    FULL_OFF, FULL_RUNS, PART_OFF, PART_RUNS,
+    FULL_OFF, FULL_RUNS, PART_OFF, PART_RUNS, ORDER,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
     stride_mb, stride_mh,
@@ -72,7 +72,7 @@ def flashmask_fwd_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    pid_m = tl.load(ORDER + tl.program_id(0))  # busiest blocks first (plan.order)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
     h = pid_bh % Hq
@@ -159,7 +159,7 @@ def _bwd_kv_tile(
 @triton.jit
 def flashmask_bwd_kv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV_OUT, FMS, FME, POS,
-    FULL_OFF, FULL_RUNS, PART_OFF, PART_RUNS,
+    FULL_OFF, FULL_RUNS, PART_OFF, PART_RUNS, ORDER,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
@@ -168,7 +168,7 @@ def flashmask_bwd_kv_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
+    pid_n = tl.load(ORDER + tl.program_id(0))  # busiest blocks first (plan.order)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hkv
     kvh = pid_bh % Hkv
@@ -247,7 +247,7 @@ def _bwd_q_tile(
 @triton.jit
 def flashmask_bwd_q_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, FMS, FME, POS,
-    FULL_OFF, FULL_RUNS, PART_OFF, PART_RUNS,
+    FULL_OFF, FULL_RUNS, PART_OFF, PART_RUNS, ORDER,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
     stride_dqb, stride_dqh, stride_dqn, stride_mb, stride_mh,
@@ -255,7 +255,7 @@ def flashmask_bwd_q_kernel(
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    pid_m = tl.load(ORDER + tl.program_id(0))  # busiest blocks first (plan.order)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hq
     h = pid_bh % Hq
