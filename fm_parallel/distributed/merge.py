@@ -1,0 +1,25 @@
+"""The one log-sum-exp merge of partial attention results, used by every schedule."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["merge"]
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
+    """Combine two softmax-normalised partial results over disjoint key sets.
+
+    Args:
+        out, block_out: ``[B, H, N, Dv]`` partial outputs (each normalised over its own keys).
+        lse, block_lse: ``[B, H, N]`` their natural log-sum-exps; ``-inf`` where a part saw no key.
+    Returns:
+        ``(out, lse)`` over the union of the keys, in the dtypes of ``out`` and ``lse``. Rows that
+        neither part saw stay 0 / -inf (no NaN).
+    """
+    new = torch.logaddexp(lse, block_lse.to(lse.dtype))
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    w_old = torch.exp(lse - safe).unsqueeze(-1)
+    w_new = torch.exp(block_lse.to(lse.dtype) - safe).unsqueeze(-1)
+    merged = out * w_old.to(out.dtype) + block_out.to(out.dtype) * w_new.to(out.dtype)
+    return merged, new

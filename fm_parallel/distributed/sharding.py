@@ -1,0 +1,157 @@
+"""Sharding a sequence over context-parallel ranks, and the exact work and traffic it implies.
+
+A :class:`ShardPlan` lists, per rank, the global positions of the tokens it holds (sorted, equal
+counts). The mask is never rewritten: every rank keeps the full O(N) bounds and its kernel gets the
+global rows. Balance modes:
+
+* ``"contiguous"``: rank r holds ``[r N/P, (r+1) N/P)``;
+* ``"zigzag"``: the sequence cut into 2P chunks, rank r holds chunks r and 2P-1-r (balances causal);
+* ``"mask"``: the sequence cut into blocks; blocks sorted by the visible pairs of their query rows
+  are dealt greedily to the least-loaded rank that still has room (equal token counts).
+
+The pair table (:func:`pair_counts`) is exact, computed from the column intervals: entry [r, j] is
+the number of visible (query of rank r, key of rank j) pairs. Ring attention skips a transfer exactly
+when its entry is 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fm_parallel.masks.flashmask import FlashMask
+
+__all__ = ["ShardPlan", "shard", "pair_counts", "row_work", "BALANCE_MODES"]
+
+BALANCE_MODES = ("contiguous", "zigzag", "mask")
+
+
+@dataclass
+class ShardPlan:
+    """Which global token positions each rank holds.
+
+    Attributes:
+        positions: per rank, a sorted ``[N / P]`` int64 tensor of global positions.
+        num_tokens: N.
+        balance: the mode that produced the plan.
+    """
+
+    positions: list[torch.Tensor]
+    num_tokens: int
+    balance: str
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.positions)
+
+    @property
+    def local_tokens(self) -> int:
+        return self.positions[0].numel()
+
+    def shard(self, x: torch.Tensor, rank: int, dim: int = -1) -> torch.Tensor:
+        """This rank's slice of a full-sequence tensor along ``dim`` (``input_ids``, ``labels``, q/k/v...)."""
+        if x.shape[dim] != self.num_tokens:
+            raise ValueError(f"x: expected {self.num_tokens} tokens along dim {dim}, got shape {tuple(x.shape)}")
+        return x.index_select(dim, self.positions[rank].to(x.device))
+
+    def unshard(self, parts: list[torch.Tensor], dim: int = -1) -> torch.Tensor:
+        """The full-sequence tensor from every rank's slice (e.g. after an all_gather of outputs)."""
+        if len(parts) != self.world_size:
+            raise ValueError(f"parts: expected {self.world_size} slices, got {len(parts)}")
+        full = torch.cat(parts, dim=dim)
+        order = torch.argsort(torch.cat(self.positions)).to(full.device)
+        return full.index_select(dim, order)
+
+    def position_ids(self, rank: int) -> torch.Tensor:
+        """Global position ids of the rank's tokens (for rotary embeddings), ``[N / P]`` int64."""
+        return self.positions[rank].clone()
+
+
+def row_work(mask: FlashMask) -> torch.Tensor:
+    """Visible keys per query row, ``[num_rows]`` int64, summed over mask batch rows and heads."""
+    n = mask.num_rows
+    s = mask.fms.to(torch.int64).clamp(min=0)
+    e = mask.fme.to(torch.int64).clamp(max=n - 1)
+    nonempty = s <= e
+    diff = torch.zeros(n + 1, dtype=torch.int64, device=mask.device)
+    diff.scatter_add_(0, s[nonempty], torch.ones_like(s[nonempty]))
+    diff.scatter_add_(0, e[nonempty] + 1, -torch.ones_like(e[nonempty]))
+    return torch.cumsum(diff, 0)[:n]
+
+
+def pair_counts(mask: FlashMask, positions: list[torch.Tensor]) -> torch.Tensor:
+    """Exact ``[P, P]`` int64 table: visible pairs between rank r's queries and rank j's keys.
+
+    For every key column of rank j and every interval, the number of rank r's (sorted) rows inside
+    it comes from two binary searches: O(P * N * M * log N), no N x N anything.
+    """
+    p = len(positions)
+    table = torch.zeros(p, p, dtype=torch.int64)
+    for j, cols in enumerate(positions):
+        sub = mask.select_keys(cols.to(mask.device))
+        s = sub.fms.to(torch.int64).flatten()
+        e = sub.fme.to(torch.int64).flatten()
+        for r, rows in enumerate(positions):
+            rows = rows.to(mask.device)
+            inside = torch.searchsorted(rows, e, right=True) - torch.searchsorted(rows, s, right=False)
+            table[r, j] = int(inside.clamp(min=0).sum())
+    return table
+
+
+def _blocks_per_rank(n: int, world_size: int) -> int:
+    for k in (16, 8, 4, 2, 1):
+        if n % (world_size * k) == 0:
+            return k
+    return 1
+
+
+def shard(mask_or_tokens, world_size: int, balance: str = "mask", blocks_per_rank: int | None = None) -> ShardPlan:
+    """Plan which global positions each of ``world_size`` ranks holds.
+
+    Args:
+        mask_or_tokens: the FlashMask (needed for ``balance="mask"``), or the sequence length N.
+        world_size: P, the context-parallel degree; N must be divisible by P (by 2P for zigzag).
+        balance: ``"contiguous"``, ``"zigzag"`` or ``"mask"``.
+        blocks_per_rank: granularity of ``"mask"`` balancing (default: the largest of 16, 8, 4, 2, 1
+            that divides N / P).
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
+    if balance not in BALANCE_MODES:
+        raise ValueError(f"balance: expected one of {BALANCE_MODES}, got {balance!r}")
+    mask = mask_or_tokens if isinstance(mask_or_tokens, FlashMask) else None
+    n = mask.num_keys if mask is not None else mask_or_tokens
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"mask_or_tokens: expected a FlashMask or a positive token count, got {mask_or_tokens!r}")
+    if mask is not None and mask.num_rows != n:
+        raise ValueError(f"mask: expected a self-attention mask (num_rows == num_keys), got {mask.num_rows} x {n}")
+    divisor = 2 * world_size if balance == "zigzag" else world_size
+    if n % divisor:
+        raise ValueError(f"mask_or_tokens: expected a length divisible by {divisor} for balance={balance!r} "
+                         f"with {world_size} ranks, got {n} (pad the sequence)")
+    local = n // world_size
+    if balance == "contiguous":
+        positions = [torch.arange(r * local, (r + 1) * local) for r in range(world_size)]
+    elif balance == "zigzag":
+        c = n // (2 * world_size)
+        positions = [torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((2 * world_size - 1 - r) * c, (2 * world_size - r) * c)])
+                     for r in range(world_size)]
+    else:
+        if mask is None:
+            raise ValueError("mask_or_tokens: balance='mask' needs the FlashMask, got a token count")
+        k = blocks_per_rank or _blocks_per_rank(n, world_size)
+        if local % k:
+            raise ValueError(f"blocks_per_rank: expected a divisor of N / P = {local}, got {k}")
+        size = local // k
+        work = row_work(mask).cpu().view(world_size * k, size).sum(1)
+        loads = [0] * world_size
+        owned: list[list[int]] = [[] for _ in range(world_size)]
+        # Largest work first, each to the least-loaded rank with room: equal token counts by construction.
+        for blk in torch.argsort(work, descending=True, stable=True).tolist():
+            rank = min((r for r in range(world_size) if len(owned[r]) < k), key=lambda r: (loads[r], r))
+            owned[rank].append(blk)
+            loads[rank] += int(work[blk])
+        positions = [torch.cat([torch.arange(b * size, (b + 1) * size) for b in sorted(blks)]) for blks in owned]
+    return ShardPlan(positions, n, balance)

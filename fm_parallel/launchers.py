@@ -1,0 +1,47 @@
+"""One launcher interface over the local implementations, for code that defines its own backward.
+
+The distributed wrappers (ring, Ulysses) call ``forward`` per received chunk and ``backward`` with
+the *merged* output and log-sum-exp, exactly like flash-attention's ring implementations; they
+never go through autograd of the local op. Inputs are assumed validated.
+
+    forward(q, k, v, mask, positions, scale, impl)  -> out [B, Hq, Nq, Dv], lse [B, Hq, Nq] float32
+    backward(q, k, v, out, lse, dout, mask, positions, scale, impl, dlse=None) -> dq, dk, dv
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fm_parallel.masks.flashmask import FlashMask
+from fm_parallel.reference import DEFAULT_BLOCK, _blockwise_backward, _blockwise_forward, _plan
+
+__all__ = ["forward", "backward", "default_impl"]
+
+
+def default_impl(device: torch.device) -> str:
+    """Triton on CUDA (and under the Triton interpreter when FM_LOCAL_IMPL=triton), else PyTorch."""
+    forced = os.environ.get("FM_LOCAL_IMPL")
+    if forced:
+        return forced
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def forward(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, impl: str = "torch"):
+    if impl == "triton":
+        from fm_parallel.kernels.triton_flashmask import flashmask_fwd
+
+        return flashmask_fwd(q, k, v, mask, positions, scale)
+    plans = _plan(mask, positions, DEFAULT_BLOCK, DEFAULT_BLOCK)
+    out, lse = _blockwise_forward(q, k, v, mask, positions, scale, plans)
+    return out, lse  # float32 (float64 for float64 inputs)
+
+
+def backward(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, impl: str = "torch", dlse=None):
+    if impl == "triton":
+        from fm_parallel.kernels.triton_flashmask import flashmask_bwd
+
+        return flashmask_bwd(q, k, v, out, lse, dout, mask, positions, scale, dlse)
+    plans = _plan(mask, positions, DEFAULT_BLOCK, DEFAULT_BLOCK)
+    return _blockwise_backward(q, k, v, out, lse, dout, dlse, mask, positions, scale, plans)

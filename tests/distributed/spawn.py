@@ -1,0 +1,46 @@
+"""Run a function on N gloo ranks in fresh processes and collect what each rank returns.
+
+Each rank's result (a JSON-able dict) is written to a file; a rank that raises records the error.
+A run that does not finish in `timeout` seconds fails the test instead of hanging the suite.
+"""
+
+import json
+import os
+import tempfile
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank, world, init_file, out_dir, fn, args):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+    except Exception as e:  # reported to the test, which decides whether it was expected
+        result = {"exception": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 240.0) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        ctx = mp.start_processes(_entry, args=(world, init_file, tmp, fn, args), nprocs=world, join=False, start_method="spawn")
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{world} ranks did not finish within {timeout} s (a hang)")
+        return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
