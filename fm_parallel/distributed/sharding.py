@@ -7,7 +7,8 @@ global rows. Balance modes:
 * ``"contiguous"``: rank r holds ``[r N/P, (r+1) N/P)``;
 * ``"zigzag"``: the sequence cut into 2P chunks, rank r holds chunks r and 2P-1-r (balances causal);
 * ``"mask"``: the sequence cut into blocks; blocks sorted by the visible pairs of their query rows
-  are dealt greedily to the least-loaded rank that still has room (equal token counts).
+  are dealt greedily to the least-loaded rank that still has room (equal token counts). Blocks are
+  as large as the balance target allows, to keep neighbours together (fewer ring transfers).
 
 The pair table (:func:`pair_counts`) is exact, computed from the column intervals: entry [r, j] is
 the number of visible (query of rank r, key of rank j) pairs. Ring attention skips a transfer exactly
@@ -100,22 +101,50 @@ def pair_counts(mask: FlashMask, positions: list[torch.Tensor]) -> torch.Tensor:
     return table
 
 
-def _blocks_per_rank(n: int, world_size: int) -> int:
-    for k in (16, 8, 4, 2, 1):
-        if n % (world_size * k) == 0:
-            return k
-    return 1
+def _greedy(work: torch.Tensor, world_size: int, k: int) -> tuple[list[list[int]], float]:
+    """Deal ``world_size * k`` blocks, largest work first, each to the least-loaded rank with room."""
+    loads = [0] * world_size
+    owned: list[list[int]] = [[] for _ in range(world_size)]
+    for blk in torch.argsort(work, descending=True, stable=True).tolist():
+        rank = min((r for r in range(world_size) if len(owned[r]) < k), key=lambda r: (loads[r], r))
+        owned[rank].append(blk)
+        loads[rank] += int(work[blk])
+    mean = sum(loads) / world_size
+    return owned, (max(loads) / mean if mean else 1.0)
 
 
-def shard(mask_or_tokens, world_size: int, balance: str = "mask", blocks_per_rank: int | None = None) -> ShardPlan:
+def _balance_by_mask(mask: FlashMask, world_size: int, blocks_per_rank: int | None, target: float):
+    """Owned blocks per rank and the block size. Without ``blocks_per_rank``: the fewest (largest)
+    blocks that reach ``target`` imbalance, since larger blocks keep neighbouring tokens together,
+    so fewer ranks see each other's keys and more ring transfers are skipped."""
+    local = mask.num_keys // world_size
+    work_rows = row_work(mask).cpu()
+    if blocks_per_rank is not None and (not isinstance(blocks_per_rank, int) or blocks_per_rank < 1 or local % blocks_per_rank):
+        raise ValueError(f"blocks_per_rank: expected a divisor of N / P = {local}, got {blocks_per_rank!r}")
+    choices = [blocks_per_rank] if blocks_per_rank else [k for k in (1, 2, 4, 8, 16, 32) if local % k == 0]
+    best = None
+    for k in choices:
+        owned, imbalance = _greedy(work_rows.view(world_size * k, local // k).sum(1), world_size, k)
+        if best is None or imbalance < best[2] - 1e-9:
+            best = (owned, local // k, imbalance)
+        if imbalance <= target:
+            break
+    return best[0], best[1]
+
+
+def shard(
+    mask_or_tokens, world_size: int, balance: str = "mask", blocks_per_rank: int | None = None,
+    target_imbalance: float = 1.02,
+) -> ShardPlan:
     """Plan which global positions each of ``world_size`` ranks holds.
 
     Args:
         mask_or_tokens: the FlashMask (needed for ``balance="mask"``), or the sequence length N.
         world_size: P, the context-parallel degree; N must be divisible by P (by 2P for zigzag).
         balance: ``"contiguous"``, ``"zigzag"`` or ``"mask"``.
-        blocks_per_rank: granularity of ``"mask"`` balancing (default: the largest of 16, 8, 4, 2, 1
-            that divides N / P).
+        blocks_per_rank: granularity of ``"mask"`` balancing. Default: the fewest blocks per rank
+            (1, 2, 4, ... 32, dividing N / P) whose greedy deal reaches ``target_imbalance``
+            (max / mean visible pairs per rank), else the most balanced deal tried.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size: expected a positive int, got {world_size!r}")
@@ -141,17 +170,6 @@ def shard(mask_or_tokens, world_size: int, balance: str = "mask", blocks_per_ran
     else:
         if mask is None:
             raise ValueError("mask_or_tokens: balance='mask' needs the FlashMask, got a token count")
-        k = blocks_per_rank or _blocks_per_rank(n, world_size)
-        if local % k:
-            raise ValueError(f"blocks_per_rank: expected a divisor of N / P = {local}, got {k}")
-        size = local // k
-        work = row_work(mask).cpu().view(world_size * k, size).sum(1)
-        loads = [0] * world_size
-        owned: list[list[int]] = [[] for _ in range(world_size)]
-        # Largest work first, each to the least-loaded rank with room: equal token counts by construction.
-        for blk in torch.argsort(work, descending=True, stable=True).tolist():
-            rank = min((r for r in range(world_size) if len(owned[r]) < k), key=lambda r: (loads[r], r))
-            owned[rank].append(blk)
-            loads[rank] += int(work[blk])
+        owned, size = _balance_by_mask(mask, world_size, blocks_per_rank, target_imbalance)
         positions = [torch.cat([torch.arange(b * size, (b + 1) * size) for b in sorted(blks)]) for blks in owned]
     return ShardPlan(positions, n, balance)
