@@ -29,3 +29,16 @@ def test_cpu_benchmark_writes_json_table_and_plot(tmp_path):
     assert all(r["time_ms"] > 0 and "peak_mib" in r for r in data["rows"])
     assert (tmp_path / "cpu_attention.png").stat().st_size > 0
     assert "| docs512 | 256 | fwd |" in (tmp_path / "cpu_attention.md").read_text()
+
+
+def test_ring_planner_report(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "bench" / "ring_cpu.py"), "--skip-run", "--n", "4096",
+         "--worlds", "4", "8", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((tmp_path / "ring_cpu.json").read_text())
+    assert len(data["planner"]) == 6 * 2 * 3
+    docs = [r for r in data["planner"] if r["mask"] == "docs" and r["balance"] == "contiguous" and r["world"] == 8][0]
+    assert docs["transfers"] < docs["plain_transfers"]

@@ -121,7 +121,7 @@ def _balance_by_mask(mask: FlashMask, world_size: int, blocks_per_rank: int | No
     work_rows = row_work(mask).cpu()
     if blocks_per_rank is not None and (not isinstance(blocks_per_rank, int) or blocks_per_rank < 1 or local % blocks_per_rank):
         raise ValueError(f"blocks_per_rank: expected a divisor of N / P = {local}, got {blocks_per_rank!r}")
-    choices = [blocks_per_rank] if blocks_per_rank else [k for k in (1, 2, 4, 8, 16, 32) if local % k == 0]
+    choices = [blocks_per_rank] if blocks_per_rank else [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if local % k == 0]
     best = None
     for k in choices:
         owned, imbalance = _greedy(work_rows.view(world_size * k, local // k).sum(1), world_size, k)
@@ -143,7 +143,7 @@ def shard(
         world_size: P, the context-parallel degree; N must be divisible by P (by 2P for zigzag).
         balance: ``"contiguous"``, ``"zigzag"`` or ``"mask"``.
         blocks_per_rank: granularity of ``"mask"`` balancing. Default: the fewest blocks per rank
-            (1, 2, 4, ... 32, dividing N / P) whose greedy deal reaches ``target_imbalance``
+            (1, 2, 4, ... 256, dividing N / P) whose greedy deal reaches ``target_imbalance``
             (max / mean visible pairs per rank), else the most balanced deal tried.
     """
     if not isinstance(world_size, int) or world_size < 1:

@@ -159,7 +159,7 @@ def main() -> None:
                   "One forward+backward, median of 3; slowest rank. Bytes: sent by all ranks together (forward and backward).", "",
                   "| mask | balance | ms | single process ms | bytes sent (MiB) | transfers posted / skipped |", "|---|---|---|---|---|---|"]
         single = {r["mask"]: r["ms"] for r in gloo if r["balance"] == "single process"}
-        for name in families(16).keys():
+        for name in dict.fromkeys(r["mask"] for r in gloo):
             for balance in BALANCE_MODES:
                 rs = [r for r in gloo if r["mask"] == name and r["balance"] == balance]
                 lines.append(f"| {name} | {balance} | {max(r['ms'] for r in rs):.0f} | {single[name]:.0f} | "
