@@ -81,6 +81,22 @@ class _Ring:
         self._count(sends, skipped=0 if sends else 1)
         return self.comm.exchange(sends, recvs), bufs
 
+    def kv_chunks(self, k: torch.Tensor, v: torch.Tensor):
+        """Yield ``(step, source rank, (k, v) or None)`` for every step, my own chunk first.
+
+        The transfer of step s + 1 is posted before step s's chunk is handed out (and so before it
+        is computed), overlapping communication with the local kernel.
+        """
+        pending = self.post_kv(1, k, v) if self.world > 1 else None
+        for step in range(self.world):
+            if step == 0:
+                chunk = (k, v) if self.needed[self.rank][self.rank] else None
+            else:
+                reqs, chunk = pending
+                pending = self.post_kv(step + 1, k, v) if step + 1 < self.world else None
+                _wait(reqs)
+            yield step, self.comm.recv_from(step), chunk
+
     def _count(self, sends, skipped: int) -> None:
         if self.stats is None:
             return
@@ -98,22 +114,13 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring):
         device = q.device
-        me, world = ring.rank, ring.world
-        pos = ring.positions(me, device)
+        pos = ring.positions(ring.rank, device)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=acc, device=device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=device)
-        pending = ring.post_kv(1, k, v) if world > 1 else None
-        for step in range(world):
-            if step == 0:
-                chunk = (k, v) if ring.needed[me][me] else None
-            else:
-                reqs, chunk = pending
-                pending = ring.post_kv(step + 1, k, v) if step + 1 < world else None
-                _wait(reqs)
+        for _, src, chunk in ring.kv_chunks(k, v):
             if chunk is None:
                 continue
-            src = ring.comm.recv_from(step)
             o, l = launchers.forward(q, chunk[0], chunk[1], ring.columns(src, device), pos, ring.scale, ring.impl)
             out, lse = merge(out, lse, o, l)
         out = out.to(q.dtype)
@@ -125,22 +132,15 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring = ctx.ring
-        device, me, world = q.device, ring.rank, ring.world
+        device, me = q.device, ring.rank
         pos = ring.positions(me, device)
         dout = dout.contiguous()
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         dq = torch.zeros(q.shape, dtype=acc, device=device)
         dk, dv = torch.zeros(k.shape, dtype=acc, device=device), torch.zeros(v.shape, dtype=acc, device=device)
         grads_in_flight = []  # (requests, received dK, received dV)
-        pending = ring.post_kv(1, k, v) if world > 1 else None
-        for step in range(world):
-            src, dst = ring.comm.recv_from(step), ring.comm.send_to(step)
-            if step == 0:
-                chunk = (k, v) if ring.needed[me][me] else None
-            else:
-                reqs, chunk = pending
-                pending = ring.post_kv(step + 1, k, v) if step + 1 < world else None
-                _wait(reqs)
+        for step, src, chunk in ring.kv_chunks(k, v):
+            dst = ring.comm.send_to(step)
             part = None
             if chunk is not None:
                 dq_s, dk_s, dv_s = launchers.backward(

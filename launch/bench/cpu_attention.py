@@ -126,7 +126,7 @@ def worker(kind: str, impl: str, mask_name: str, n: int, mode: str, reps: int) -
         # the measured call starts from a clean baseline.
         base = _rss_kib("VmRSS")
         _reset_peak()
-        out = run(prepare())
+        run(prepare())
         return {"peak_mib": (_rss_kib("VmHWM") - base) / 1024}
     m = prepare()
     times = []
