@@ -33,9 +33,9 @@ def families(n: int) -> dict[str, masks.FlashMask]:
         "reward model, 4 answers": masks.preference(n // 2, [n // 8, n // 8, n // 8, n - n // 2 - 3 * (n // 8)]),
         "prefix-LM (N/4)": masks.prefix_lm(n, q),
         "sliding window 256 + 4 sinks": masks.sliding_window(n, 256, sinks=4),
-        "window in docs + bidir prefix": masks.union(
-            masks.intersect(masks.sliding_window(n, 256), masks.document(docs)),
-            masks.prefix_lm(prefix_len=64, lengths=docs),
+        "docs + 64 summary rows (M=2)": masks.union(
+            masks.document(docs),  # the last 64 rows also read every earlier token: two intervals per key
+            masks.intersect(masks.causal(n), masks.FlashMask(torch.full((n,), n - 64), torch.full((n,), n - 1))),
         ),
     }
 
