@@ -110,14 +110,17 @@ def _dense_mask(attn_mask, b, hq, hkv, nq, nk, device) -> torch.Tensor:
 
 
 _BACKENDS = {"triton": "fm_parallel.kernels.triton_flashmask", "cute": "fm_parallel.kernels.cute_flashmask"}
+_LOADED: dict = {}  # backend name -> module, filled by _resolve_impl so the hot path is a dict lookup
 
 
-def _kernel(impl: str):
-    """The GPU backend module of ``impl``, or a ValueError saying why it cannot run."""
-    try:
-        return importlib.import_module(_BACKENDS[impl])
-    except ImportError as e:
-        raise ValueError(f"impl: {impl!r} is not available here ({e}); use impl='torch' or 'auto'") from None
+def _load(impl: str):
+    """Import the GPU backend of ``impl``, or raise a ValueError saying why it cannot run."""
+    if impl not in _LOADED:
+        try:
+            _LOADED[impl] = importlib.import_module(_BACKENDS[impl])
+        except ImportError as e:
+            raise ValueError(f"impl: {impl!r} is not available here ({e}); use impl='torch' or 'auto'") from None
+    return _LOADED[impl]
 
 
 def _runs_here(impl: str, device: torch.device) -> bool:
@@ -125,19 +128,22 @@ def _runs_here(impl: str, device: torch.device) -> bool:
     return device.type == "cuda" or (impl == "triton" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
+# Under torch.compile the choice is made once while tracing and baked into the graph (it depends only
+# on the requested name, the device and the installed packages), so imports never break the graph.
+@torch.compiler.assume_constant_result
 def _resolve_impl(impl: str, device: torch.device) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     if impl in _BACKENDS:
         if not _runs_here(impl, device):
             raise ValueError(f"impl: {impl!r} needs CUDA tensors, got device {device}")
-        _kernel(impl)
+        _load(impl)
         return impl
     if impl == "auto":
         if device.type == "cuda":
             for name in ("cute", "triton"):
                 try:
-                    _kernel(name)
+                    _load(name)
                     return name
                 except ValueError:
                     continue
@@ -238,5 +244,5 @@ def flashmask_attention(
         out, lse = blockwise_attention(q, k, v, mask, positions, scale, block_size, block_size)
     else:
         offset = q_offset if q_positions is None else None  # lets the backend cache its launch plan
-        out, lse = _kernel(impl).attention(q, k, v, mask, positions, scale, offset)
+        out, lse = _LOADED[impl].attention(q, k, v, mask, positions, scale, offset)
     return (out, lse) if return_lse else out

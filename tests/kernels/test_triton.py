@@ -119,3 +119,33 @@ def test_plan_lists_exactly_the_non_skipped_tiles(transposed):
     # The rule may call a tile partial that is in truth full; never the other way round.
     assert torch.equal(got == TileClass.SKIP, want == TileClass.SKIP)
     assert not ((got == TileClass.FULL) & (want != TileClass.FULL)).any()
+
+
+def test_torch_compile_full_graph_without_recompiling_for_a_new_mask():
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda q, k, v, m: flashmask_attention(q, k, v, mask=m, impl="triton"), backend=counter, fullgraph=True)
+    q, k, v = on_device(*qkv(1, 2, 1, 64, 16, torch.float32))
+    for m in (masks.document([20, 44]), masks.dpo(20, 22, 22), masks.sliding_window(64, 9, sinks=1)):
+        m = m.to(DEVICE)
+        out = compiled(q, k, v, m)
+        out.sum().backward()
+        ref, _ = reference_attention(*(t.detach().double() for t in (q, k, v)), m)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=0)
+        assert torch.isfinite(q.grad).all()
+    assert counter.frame_count == 1  # new masks are new data, not new graphs
+
+
+def test_in_place_edit_of_the_bounds_is_not_served_a_stale_plan():
+    q, k, v = (t.detach() for t in on_device(*qkv(1, 1, 1, 64, 16, torch.float32)))
+    m = masks.causal(64).to(DEVICE)
+    first = flashmask_attention(q, k, v, mask=m, impl="triton")
+    m.fme.fill_(0)  # now only row 0 sees anything: a different mask in the same storage
+    m.fms[..., 1:, :] = 64
+    second = flashmask_attention(q, k, v, mask=FlashMask(m.fms, m.fme, 64), impl="triton")
+    ref, _ = reference_attention(q.double(), k.double(), v.double(), FlashMask(m.fms, m.fme, 64))
+    torch.testing.assert_close(second.double(), ref, atol=2e-5, rtol=0)
+    assert not torch.allclose(first, second)
