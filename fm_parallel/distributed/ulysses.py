@@ -1,0 +1,164 @@
+"""Ulysses context parallelism: all-to-all from sequence shards to head shards and back.
+
+Each rank enters with its tokens (``plan.positions[rank]``) for all heads, ``[B, H, N / P, D]``, and
+after one all-to-all holds every token for ``H / P`` heads, ``[B, H / P, N, D]``. The local kernel
+then runs on the whole sequence with the full mask (only the rank's mask heads when the mask is per
+head); the inverse all-to-all returns the output to sequence shards. Tokens arrive in the plan's
+order (rank 0's, then rank 1's...); they are put in sequence order around the kernel so that its
+launch plans stay contiguous and cached, whatever the balance mode.
+
+GQA: when ``P > H_kv`` the K/V heads are replicated (each ``P / H_kv`` times) before the all-to-all so
+every rank holds the one K/V head its query heads need; their gradients are summed back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fm_parallel.attention import flashmask_attention
+from fm_parallel.distributed.comm import check_agreement
+from fm_parallel.distributed.ring import mask_fingerprint
+from fm_parallel.distributed.sharding import ShardPlan
+from fm_parallel.masks.flashmask import FlashMask
+
+__all__ = ["ulysses_attention", "seq_to_heads", "heads_to_seq", "ulysses_heads"]
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """all_to_all_single along dim 0 of a contiguous ``[P, ...]`` tensor."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # not empty_like: that keeps x's strides
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    b, h, n, d = x.shape
+    p = dist.get_world_size(group)
+    parts = x.view(b, p, h // p, n, d).permute(1, 0, 2, 3, 4)  # [P (head group), B, H/P, n, D]
+    got = _all_to_all(parts, group)  # [P (source rank), B, H/P, n, D]
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // p, p * n, d)
+
+
+def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    b, hp, total, d = x.shape
+    p = dist.get_world_size(group)
+    parts = x.view(b, hp, p, total // p, d).permute(2, 0, 1, 3, 4)  # [P (token owner), B, H/P, n, D]
+    got = _all_to_all(parts, group)  # [P (head group), B, H/P, n, D]
+    return got.permute(1, 0, 2, 3, 4).reshape(b, p * hp, total // p, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad.contiguous(), ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _heads_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad.contiguous(), ctx.group), None
+
+
+def seq_to_heads(x: torch.Tensor, group=None) -> torch.Tensor:
+    """``[B, H, N / P, D]`` (this rank's tokens, all heads) -> ``[B, H / P, N, D]`` (all tokens, plan order). Differentiable."""
+    return _SeqToHeads.apply(x, group)
+
+
+def heads_to_seq(x: torch.Tensor, group=None) -> torch.Tensor:
+    """The inverse of :func:`seq_to_heads`. Differentiable."""
+    return _HeadsToSeq.apply(x, group)
+
+
+def ulysses_heads(h_q: int, h_kv: int, world: int) -> int:
+    """How many times each K/V head is repeated so that ``world`` ranks can split the heads.
+
+    Raises ValueError naming both numbers when the heads cannot be split.
+    """
+    if h_q % world:
+        raise ValueError(f"q: expected a number of heads divisible by the Ulysses degree {world}, got {h_q} heads")
+    if h_kv % world == 0:
+        return 1
+    if world % h_kv == 0:
+        return world // h_kv
+    raise ValueError(
+        f"k: expected K/V heads divisible by the Ulysses degree {world}, or dividing it (then replicated), got {h_kv} heads"
+    )
+
+
+def _rank_mask(mask: FlashMask, rank: int, world: int, h_q: int, h_kv: int, repeat: int) -> FlashMask:
+    """The mask heads of this rank's head slice (all of them when the mask is shared by heads)."""
+    if mask.heads == 1:
+        return mask
+    if mask.heads == h_q and h_q != h_kv:
+        per = h_q // world
+    else:  # one mask head per K/V head; after replication each rank holds (h_kv * repeat) / world of them
+        per = h_kv * repeat // world
+        if repeat > 1:
+            idx = torch.arange(rank * per, (rank + 1) * per, device=mask.device) // repeat
+            return FlashMask(mask.fms.index_select(1, idx), mask.fme.index_select(1, idx), mask.num_rows, validate=False)
+    sl = slice(rank * per, (rank + 1) * per)
+    return FlashMask(mask.fms[:, sl], mask.fme[:, sl], mask.num_rows, validate=False)
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: FlashMask,
+    plan: ShardPlan,
+    group=None,
+    *,
+    scale: float | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """FlashMask attention over a context-parallel group by head all-to-all (DeepSpeed-Ulysses style).
+
+    Args:
+        q: ``[B, Hq, N / P, D]``; k, v: ``[B, Hkv, N / P, D]``: this rank's tokens in the order of
+            ``plan.positions[rank]``. ``Hq`` must divide by P; ``Hkv`` must divide by P or divide P.
+        mask: the full mask, the same on every rank. plan: the same on every rank.
+        impl: the local kernel (as for :func:`fm_parallel.flashmask_attention`).
+    Returns:
+        ``[B, Hq, N / P, Dv]``, this rank's rows. Differentiable.
+    """
+    if not dist.is_initialized():
+        raise ValueError("group: expected an initialised torch.distributed process group, got none")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if not isinstance(plan, ShardPlan) or plan.world_size != world:
+        got = plan.world_size if isinstance(plan, ShardPlan) else type(plan).__name__
+        raise ValueError(f"plan: expected a ShardPlan for the group's {world} ranks, got {got}")
+    if not isinstance(mask, FlashMask) or mask.num_keys != plan.num_tokens:
+        got = mask.num_keys if isinstance(mask, FlashMask) else type(mask).__name__
+        raise ValueError(f"mask: expected a FlashMask with {plan.num_tokens} key columns (the plan's N), got {got}")
+    b, hq, n_local, d = q.shape
+    hkv = k.shape[1]
+    check_agreement(
+        [n_local, k.shape[2], b, hq, hkv, d, v.shape[-1], plan.num_tokens, mask_fingerprint(mask)],
+        ["q length", "k length", "batch", "query heads", "kv heads", "head dim", "value dim", "plan tokens", "mask"],
+        group,
+    )
+    if n_local != plan.local_tokens:
+        raise ValueError(f"q: expected {plan.local_tokens} local tokens (N / P), got {n_local}")
+    repeat = ulysses_heads(hq, hkv, world)
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    qh, kh, vh = (seq_to_heads(t, group) for t in (q, k, v))
+    # Sequence order around the kernel: contiguous rows, so its plans are simple and cached.
+    order = torch.cat(plan.positions).to(q.device)
+    inverse = torch.argsort(order)
+    qs, ks, vs = (t.index_select(2, inverse) for t in (qh, kh, vh))
+    local_mask = _rank_mask(mask, rank, world, hq, hkv, repeat)
+    out = flashmask_attention(qs, ks, vs, mask=local_mask, scale=scale, impl=impl)
+    return heads_to_seq(out.index_select(2, order), group)
