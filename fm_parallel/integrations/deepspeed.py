@@ -1,0 +1,87 @@
+"""DeepSpeed sequence parallelism with FlashMask attention.
+
+Two entry points:
+
+(a) ``FlashMaskLocalAttention``: the local attention of ``deepspeed.sequence.layer.DistributedAttention``
+    (DeepSpeed-Ulysses for Megatron-style models). DeepSpeed does the all-to-all; this runs FlashMask
+    attention on the gathered ``[B, S, H / P, D]`` tensors with the full mask::
+
+        local = FlashMaskLocalAttention(mask)                    # or mask=... per call
+        attn = DistributedAttention(local, sp_group, scatter_idx=2, gather_idx=1)
+        out = attn(q, k, v, 0)                                   # [B, S / P, H, D] in and out
+
+(b) ``register_ulysses_hf``: DeepSpeed's Ulysses for Hugging Face models (``UlyssesSPAttentionHF``, the
+    ALST stack) discards 4-D attention masks, so packed documents or DPO pairs would silently become
+    one causal sequence. Registered with our transformers backend as its core attention, the FlashMask
+    travels as a keyword argument (``model(ids, position_ids=..., flashmask=mask)``), which the wrapper
+    passes through untouched to the gathered full sequence::
+
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=fm_hf.NAME)
+        mpu = register_ulysses_hf(model, sequence_parallel_size=4, micro_batch_size=1)
+        engine, *_ = deepspeed.initialize(model=model, config="launch/ds_config.json", mpu=mpu)
+
+Masks shared by all heads only in (b) (the wrapper does not tell which heads a rank holds).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fm_parallel.attention import flashmask_attention
+from fm_parallel.distributed.sharding import ShardPlan
+from fm_parallel.masks.flashmask import FlashMask
+
+__all__ = ["FlashMaskLocalAttention", "register_ulysses_hf"]
+
+
+class FlashMaskLocalAttention(torch.nn.Module):
+    """Local attention for ``DistributedAttention(..., scatter_idx=2, gather_idx=1)``, batch first.
+
+    Args:
+        mask: the full-sequence FlashMask (may also be given per call as ``mask=``).
+        plan: the sharding plan when the ranks' tokens are not contiguous in rank order (zigzag or
+            mask balance); the gathered sequence is then in ``cat(plan.positions)`` order.
+        impl: local kernel, as for :func:`fm_parallel.flashmask_attention`.
+    Call: ``(q, k, v)`` ``[B, S, H / P, D]`` -> ``[B, S, H / P, D]``.
+    """
+
+    def __init__(self, mask: FlashMask | None = None, plan: ShardPlan | None = None, impl: str = "auto", scale=None):
+        super().__init__()
+        self.mask, self.plan, self.impl, self.scale = mask, plan, impl, scale
+
+    def forward(self, q, k, v, *args, mask: FlashMask | None = None, **kwargs):
+        mask = mask if mask is not None else self.mask
+        if mask is None:
+            raise ValueError("mask: expected a FlashMask (at construction or per call), got None")
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H/P, S, D]
+        if self.plan is None:
+            out = flashmask_attention(q, k, v, mask=mask.to(q.device), scale=self.scale, impl=self.impl)
+        else:
+            order = torch.cat(self.plan.positions).to(q.device)
+            inverse = torch.argsort(order)
+            q, k, v = (t.index_select(2, inverse) for t in (q, k, v))
+            out = flashmask_attention(q, k, v, mask=mask.to(q.device), scale=self.scale, impl=self.impl)
+            out = out.index_select(2, order)
+        return out.transpose(1, 2)
+
+
+def register_ulysses_hf(model, sequence_parallel_size: int, micro_batch_size: int = 1, seq_length: int | None = None,
+                        disable_in_eval: bool = False):
+    """Wrap our transformers backend in DeepSpeed's ``UlyssesSPAttentionHF``; returns DeepSpeed's mpu.
+
+    The model must have been built with ``attn_implementation=fm_parallel.integrations.transformers.NAME``.
+    Needs ``deepspeed.comm`` initialised (``deepspeed.init_distributed``).
+    """
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    from fm_parallel.integrations import transformers as fm_hf
+
+    name = fm_hf.register()
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl != name:
+        raise ValueError(f"model: expected attn_implementation={name!r} (set it when loading), got {impl!r}")
+    return UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model, core_attn_implementation=name, sequence_parallel_size=sequence_parallel_size,
+        micro_batch_size=micro_batch_size, seq_length=seq_length, seq_length_is_variable=seq_length is None,
+        disable_in_eval=disable_in_eval,
+    )
