@@ -212,7 +212,7 @@ def ring_attention(
     # Agree first, so that a mismatch raises on every rank instead of hanging in a transfer.
     check_agreement(
         [n_local, k.shape[2], b, hq, hkv, d, v.shape[-1], plan.num_tokens, mask_fingerprint(mask),
-         int(torch.cat(plan.positions).mul(torch.arange(1, plan.num_tokens + 1) % 997).sum())],
+         plan.digest()],
         ["q length", "k length", "batch", "query heads", "kv heads", "head dim", "value dim", "plan tokens", "mask", "plan"],
         group,
     )

@@ -65,6 +65,13 @@ class ShardPlan:
         order = torch.argsort(torch.cat(self.positions)).to(full.device)
         return full.index_select(dim, order)
 
+    def digest(self) -> int:
+        """A cheap digest of the positions, to check that all ranks hold the same plan."""
+        if "digest" not in self._cache:
+            flat = torch.cat(self.positions)
+            self._cache["digest"] = int((flat * (torch.arange(1, flat.numel() + 1) % 997)).sum())
+        return self._cache["digest"]
+
     def position_ids(self, rank: int) -> torch.Tensor:
         """Global position ids of the rank's tokens (for rotary embeddings), ``[N / P]`` int64."""
         return self.positions[rank].clone()

@@ -145,8 +145,8 @@ def ulysses_attention(
     b, hq, n_local, d = q.shape
     hkv = k.shape[1]
     check_agreement(
-        [n_local, k.shape[2], b, hq, hkv, d, v.shape[-1], plan.num_tokens, mask_fingerprint(mask)],
-        ["q length", "k length", "batch", "query heads", "kv heads", "head dim", "value dim", "plan tokens", "mask"],
+        [n_local, k.shape[2], b, hq, hkv, d, v.shape[-1], plan.num_tokens, mask_fingerprint(mask), plan.digest()],
+        ["q length", "k length", "batch", "query heads", "kv heads", "head dim", "value dim", "plan tokens", "mask", "plan"],
         group,
     )
     if n_local != plan.local_tokens:
