@@ -1,0 +1,373 @@
+"""The training loop: LoRA SFT / DPO on packed rows with FlashMask attention and context parallelism.
+
+World = data parallel x context parallel. Every rank walks the same deterministic stream of packed
+rows; data-parallel rank d takes rows d, d + dp, ... and the context-parallel ranks of one row each
+take their shard of it (``ShardPlan``). Losses are normalised by the global token (or sample) count
+and LoRA gradients are summed over the whole world, so every layout computes the same update as one
+process would.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from fm_parallel.distributed import ParallelDims, shard
+from fm_parallel.distributed.context import ContextParallel
+from fm_parallel.trainer.config import Config, load_config
+from fm_parallel.trainer.data import Row, dpo_rows, load_tokenizer, sft_rows
+
+__all__ = ["main", "train"]
+
+
+# --------------------------------------------------------------------- setup
+def _init_distributed() -> None:
+    if dist.is_initialized():
+        return
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _layout(cfg: Config):
+    """(cp mode, ParallelDims, mesh, the CP group or sub-mesh, dp rank, cp rank)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mode = cfg.parallel.cp
+    cp = world if cfg.parallel.cp_degree == -1 else cfg.parallel.cp_degree
+    if mode == "none":
+        cp = 1
+    uly = {"ring": 1, "ulysses": cp, "hybrid": cfg.parallel.ulysses_degree, "none": 1}[mode]
+    if cp % uly:
+        raise ValueError(f"parallel.ulysses_degree: expected a divisor of the CP degree {cp}, got {uly}")
+    dims = ParallelDims(world, ring=cp // uly, ulysses=uly)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mesh = dims.build_mesh(device)
+    if mode == "hybrid":
+        group = mesh["ring", "ulysses"]
+    elif mode == "ulysses":
+        group = mesh["ulysses"].get_group()
+    else:
+        group = mesh["ring"].get_group()
+    cp_rank = (rank % cp)  # mesh dims are (dp, ring, ulysses), row-major
+    return mode, dims, mesh, group, rank // cp, cp_rank
+
+
+def _build_model(cfg: Config, vocab_size: int, device):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from fm_parallel.integrations import transformers as fm_hf
+
+    name = fm_hf.register()
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float64": torch.float64}[cfg.model.dtype]
+    torch.manual_seed(cfg.training.seed)
+    if cfg.model.path:
+        base = AutoModelForCausalLM.from_pretrained(cfg.model.path, attn_implementation=name, torch_dtype=dtype, local_files_only=True)
+    else:
+        m = cfg.model
+        base = LlamaForCausalLM(LlamaConfig(
+            vocab_size=vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+            num_hidden_layers=m.layers, num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
+            max_position_embeddings=max(cfg.data.seq_len, 2048), attn_implementation=name,
+        )).to(dtype)
+    base.to(device)
+    if cfg.model.activation_checkpointing:
+        base.config.use_cache = False
+        if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x
+            base.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = LoraConfig(r=cfg.model.lora_rank, lora_alpha=cfg.model.lora_alpha,
+                      target_modules=[t.strip() for t in cfg.model.lora_targets.split(",") if t.strip()])
+    model = get_peft_model(base, lora)
+    model.train()
+    return model
+
+
+# ---------------------------------------------------------------------- loss
+def _hidden(model, ids, positions, mask, ctx):
+    base = model.get_base_model()
+    return base.model(input_ids=ids, position_ids=positions, flashmask=mask, fm_context=ctx).last_hidden_state
+
+
+def _chunked(head, hidden, labels, chunk: int, fn):
+    """Sum of ``fn(logits_chunk, labels_chunk)`` over token chunks; each chunk's logits are recomputed
+    in the backward instead of kept, so ``[N, vocab]`` logits never exist at once."""
+    total = 0
+    for c0 in range(0, hidden.shape[1], chunk):
+        h, y = hidden[:, c0 : c0 + chunk], labels[:, c0 : c0 + chunk]
+        total = total + checkpoint(lambda h_, y_: fn(head(h_).float(), y_), h, y, use_reentrant=False)
+    return total
+
+
+def _token_logps(logits, labels):
+    """Per-token log-probability of the label, 0 where the label is -100: ``[B, n]``."""
+    safe = labels.clamp(min=0)
+    logp = torch.log_softmax(logits, -1).gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    return torch.where(labels >= 0, logp, torch.zeros_like(logp))
+
+
+def _response_logps(model, ids, positions, mask, ctx, labels, segment, sample, n_samples, chunk):
+    """``[n_samples, 2]``: summed log-probs of each sample's chosen and rejected tokens (this rank's part)."""
+    hidden = _hidden(model, ids, positions, mask, ctx)
+    head = model.get_base_model().lm_head
+    slot = torch.where(labels[0] >= 0, sample[0] * 2 + (segment[0] - 1), torch.full_like(sample[0], 2 * n_samples))
+
+    parts = []
+    for c0 in range(0, hidden.shape[1], chunk):
+        h, y = hidden[:, c0 : c0 + chunk], labels[:, c0 : c0 + chunk]
+        parts.append(checkpoint(lambda h_, y_: _token_logps(head(h_).float(), y_)[0], h, y, use_reentrant=False))
+    per_token = torch.cat(parts)
+    sums = torch.zeros(2 * n_samples + 1, dtype=per_token.dtype, device=per_token.device).index_add(0, slot, per_token)
+    return sums[: 2 * n_samples].view(n_samples, 2)
+
+
+# ---------------------------------------------------------------------- loop
+def _rows(cfg: Config, tokenizer):
+    if cfg.data.objective == "sft":
+        return sft_rows(cfg.data.seq_len, tokenizer, cfg.data.path)
+    return dpo_rows(cfg.data.seq_len, tokenizer, cfg.data.path)
+
+
+def _lr(cfg: Config, step: int) -> float:
+    t = cfg.training
+    if step < t.warmup:
+        return t.lr * (step + 1) / t.warmup
+    progress = (step - t.warmup) / max(t.steps - t.warmup, 1)
+    return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def _checkpoint_dir(cfg: Config, step: int) -> Path:
+    return Path(cfg.output.dir) / "checkpoints" / f"step_{step:06d}"
+
+
+def _save(cfg: Config, model, optim, step: int, rows_done: int) -> Path:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    path = _checkpoint_dir(cfg, step)
+    model_sd, optim_sd = get_state_dict(model, optim, options=StateDictOptions(ignore_frozen_params=True))
+    dcp.save({"model": model_sd, "optim": optim_sd, "progress": {"step": torch.tensor(step), "rows": torch.tensor(rows_done)}},
+             checkpoint_id=str(path))
+    rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    torch.save(rng, path / f"rng_rank{dist.get_rank()}.pt")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (path / "complete").write_text("ok")  # a checkpoint cut short by a kill is never resumed from
+    return path
+
+
+def _latest(cfg: Config) -> Path | None:
+    root = Path(cfg.output.dir) / "checkpoints"
+    done = sorted(p for p in root.glob("step_*") if (p / "complete").exists()) if root.exists() else []
+    return done[-1] if done else None
+
+
+def _load(path: Path, model, optim) -> tuple[int, int]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    options = StateDictOptions(ignore_frozen_params=True)
+    model_sd, optim_sd = get_state_dict(model, optim, options=options)
+    state = {"model": model_sd, "optim": optim_sd, "progress": {"step": torch.tensor(0), "rows": torch.tensor(0)}}
+    dcp.load(state, checkpoint_id=str(path))
+    # Only the adapter was saved: the frozen base weights come from the model build, not the checkpoint.
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    rng = torch.load(path / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"]:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return int(state["progress"]["step"]), int(state["progress"]["rows"])
+
+
+def train(cfg: Config) -> dict:
+    """Run training as configured; returns the summary (also printed and written by rank 0)."""
+    _init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mode, dims, mesh, group, dp_rank, cp_rank = _layout(cfg)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    model = _build_model(cfg, tokenizer.vocab_size, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=cfg.training.lr, weight_decay=0.0)
+    out_dir = Path(cfg.output.dir)
+    start, rows_done = 0, 0
+    if cfg.output.resume:
+        latest = _latest(cfg)
+        if latest is None:
+            raise ValueError(f"--resume: expected a complete checkpoint under {out_dir / 'checkpoints'}, found none")
+        start, rows_done = _load(latest, model, optim)
+        start += 1
+    stop = {"flag": False}
+
+    def on_signal(signum, frame):
+        stop["flag"] = True  # finish the step, write a checkpoint, exit
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    stream = _rows(cfg, tokenizer)
+    for _ in range(rows_done):
+        next(stream)
+    dp, accum, cp = dims.dp, cfg.training.grad_accum, dims.cp
+    metrics_path = out_dir / "metrics.jsonl"
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        if not cfg.output.resume and metrics_path.exists():
+            metrics_path.unlink()
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.training.steps, initial=start, desc=f"{cfg.data.objective} {mode} x{cp} dp{dp}", unit="step")
+    history = []
+    step = start - 1
+    for step in range(start, cfg.training.steps):
+        t0 = time.perf_counter()
+        rows: list[Row] = [next(stream) for _ in range(dp * accum)]
+        rows_done += len(rows)
+        mine = rows[dp_rank::dp]
+        if cfg.data.objective == "sft":
+            denom = sum(int((r.labels != -100).sum()) for r in rows)
+        else:
+            denom = sum(int(r.sample.max()) + 1 for r in rows)
+        for group_ in optim.param_groups:
+            group_["lr"] = _lr(cfg, step)
+        local_loss = torch.zeros((), device=device, dtype=torch.float64)
+        for row in mine:
+            loss = _row_loss(cfg, model, row, mode, group, mesh, cp, cp_rank, device) / denom
+            loss.backward()
+            local_loss += loss.detach().double()
+        for p in params:  # the whole world's contributions; losses were normalised globally
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        dist.all_reduce(local_loss)
+        elapsed = time.perf_counter() - t0
+        tokens = len(rows) * cfg.data.seq_len
+        record = {"step": step, "loss": local_loss.item(), "tokens_per_s": tokens / elapsed, "lr": _lr(cfg, step), "step_s": elapsed}
+        history.append(record)
+        if rank == 0:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.update(1)
+        last = step == cfg.training.steps - 1
+        flag = torch.tensor(1 if stop["flag"] else 0)
+        dist.all_reduce(flag)  # every rank stops at the same step
+        stopping = bool(flag.item()) or step + 1 == cfg.output.stop_after
+        if (cfg.output.checkpoint_every and (step + 1) % cfg.output.checkpoint_every == 0) or last or stopping:
+            _save(cfg, model, optim, step, rows_done)
+        if stopping:
+            break
+    if bar is not None:
+        bar.close()
+    summary = _finish(cfg, out_dir, rank, metrics_path)
+    dist.barrier()
+    return summary
+
+
+def _row_loss(cfg: Config, model, row: Row, mode, group, mesh, cp: int, cp_rank: int, device):
+    n = cfg.data.seq_len
+    ids, labels = row.input_ids.view(1, n).to(device), row.labels.view(1, n).to(device)
+    mask = row.mask.to(device)
+    positions = torch.arange(n, device=device).view(1, n)
+    segment, sample = row.segment.view(1, n).to(device), row.sample.view(1, n).to(device)
+    ctx = None
+    if cp > 1:
+        plan = shard(row.mask, cp, cfg.parallel.balance)
+        ctx = ContextParallel(mode, plan, group=None if mode == "hybrid" else group,
+                              mesh=group if mode == "hybrid" else None, impl=cfg.parallel.impl or None)
+        ids, labels, positions, segment, sample = (plan.shard(t, cp_rank, dim=1) for t in (ids, labels, positions, segment, sample))
+    if cfg.data.objective == "sft":
+        hidden = _hidden(model, ids, positions, mask, ctx)
+        head = model.get_base_model().lm_head
+        return _chunked(head, hidden, labels, cfg.training.loss_chunk,
+                        lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum"))
+    n_samples = int(row.sample.max()) + 1
+    args = (ids, positions, mask, ctx, labels, segment, sample, n_samples, cfg.training.loss_chunk)
+    policy = _response_logps(model, *args)
+    with torch.no_grad(), model.disable_adapter():
+        reference = _response_logps(model, *args)
+    if cp > 1:
+        import torch.distributed.nn.functional as dfn
+
+        cp_group = ctx.mesh.get_group("ring") if mode == "hybrid" else group
+        policy = dfn.all_reduce(policy, group=cp_group) if mode != "hybrid" else _hybrid_sum(policy, ctx.mesh)
+        reference = reference.clone()
+        if mode == "hybrid":
+            reference = _hybrid_sum(reference, ctx.mesh)
+        else:
+            dist.all_reduce(reference, group=cp_group)
+    margin = (policy[:, 0] - reference[:, 0]) - (policy[:, 1] - reference[:, 1])
+    # Each CP rank holds the same per-sample sums; 1/cp makes the world-summed gradient exact.
+    return -F.logsigmoid(cfg.training.dpo_beta * margin).sum() / cp
+
+
+def _hybrid_sum(x, mesh):
+    import torch.distributed.nn.functional as dfn
+
+    x = dfn.all_reduce(x, group=mesh.get_group("ulysses"))
+    return dfn.all_reduce(x, group=mesh.get_group("ring"))
+
+
+def _finish(cfg: Config, out_dir: Path, rank: int, metrics_path: Path) -> dict:
+    if rank != 0:
+        return {}
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()] if metrics_path.exists() else []
+    if not records:
+        return {}
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    steps = [r["step"] for r in records]
+    a.plot(steps, [r["loss"] for r in records], "o-", ms=3)
+    a.set_xlabel("step")
+    a.set_ylabel(f"{cfg.data.objective} loss")
+    a.grid(alpha=0.3)
+    b.plot(steps, [r["tokens_per_s"] for r in records], "s-", ms=3, color="C1")
+    b.set_xlabel("step")
+    b.set_ylabel("tokens / s")
+    b.grid(alpha=0.3)
+    fig.suptitle(f"{cfg.data.objective}, seq_len {cfg.data.seq_len}, cp {cfg.parallel.cp}")
+    fig.tight_layout()
+    plot = out_dir / "training.png"
+    fig.savefig(plot, dpi=110)
+    tail = records[len(records) // 2 :] or records
+    summary = {
+        "plot": str(plot), "metrics": str(metrics_path), "steps": len(records),
+        "first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
+        "tokens_per_s": sum(r["tokens_per_s"] for r in tail) / len(tail),
+    }
+    print(f"plot: {plot}")
+    print(f"summary: {summary['tokens_per_s']:.0f} tokens/s, loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} "
+          f"over {summary['steps']} steps ({cfg.data.objective}, cp={cfg.parallel.cp})")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = load_config(argv)
+    try:
+        train(cfg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

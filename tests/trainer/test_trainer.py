@@ -1,0 +1,126 @@
+"""The trainer: config overrides, data packing, DPO mask isolation, loss parity across context-parallel
+layouts, resume after a stop, and a checkpoint on SIGTERM."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fm_parallel.trainer.config import load_config
+from fm_parallel.trainer.data import ByteTokenizer, dpo_rows, sft_rows
+from tests.distributed.spawn import run_ranks
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+ROOT = Path(__file__).resolve().parents[2]
+
+TINY = ["--model.hidden_size", "64", "--model.layers", "2", "--model.heads", "4", "--model.kv_heads", "2",
+        "--model.intermediate_size", "128", "--model.lora_rank", "4", "--data.seq_len", "256",
+        "--training.steps", "4", "--training.warmup", "1", "--training.loss_chunk", "100", "--output.checkpoint_every", "0"]
+
+
+def test_config_layers_file_environment_and_command_line(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[training]\nsteps = 7\nlr = 0.5\n[data]\nseq_len = 128\n')
+    cfg = load_config(["--config", str(f), "--training.lr", "0.25", "--parallel.cp=ulysses"], environ={"FM_DATA__SEQ_LEN": "512"})
+    assert (cfg.training.steps, cfg.training.lr, cfg.data.seq_len, cfg.parallel.cp) == (7, 0.25, 512, "ulysses")
+    for argv, message in ((["--training.nope", "1"], "unknown key training.nope"), (["--training.steps", "x"], "training.steps: expected int"),
+                          (["--parallel.cp", "star"], "parallel.cp: expected ring"), (["--data.objective", "rl"], "data.objective")):
+        with pytest.raises(ValueError, match=message):
+            load_config(argv, environ={})
+
+
+def test_sft_rows_labels_stay_inside_documents():
+    row = next(sft_rows(512, ByteTokenizer()))
+    dense = row.mask.to_dense()[0, 0]
+    for i in torch.nonzero(row.labels != -100).flatten().tolist():
+        assert row.labels[i] == row.input_ids[i + 1] and row.sample[i] == row.sample[i + 1]
+        assert dense[i + 1, i]  # the next token's row sees this one: same document
+    # Positions whose next token starts a new document predict nothing.
+    starts = torch.nonzero(row.sample[1:] != row.sample[:-1]).flatten()
+    assert (row.labels[starts] == -100).all()
+
+
+def test_dpo_mask_keeps_chosen_and_rejected_apart():
+    from fm_parallel.integrations import transformers as fm_hf
+    from fm_parallel.trainer.loop import _token_logps
+    from tests.integrations.test_transformers import tiny_llama
+
+    row = next(dpo_rows(512, ByteTokenizer()))
+    model = tiny_llama(fm_hf.register()).eval()
+    model.resize_token_embeddings(ByteTokenizer.vocab_size)
+
+    def chosen_logps(ids):
+        logits = model(ids.view(1, -1), position_ids=torch.arange(512).view(1, -1), flashmask=row.mask).logits
+        lp = _token_logps(logits.float(), row.labels.view(1, -1))[0]
+        return lp[row.segment == 1]
+
+    before = chosen_logps(row.input_ids)
+    changed = row.input_ids.clone()
+    rejected = row.segment == 2
+    changed[rejected] = (changed[rejected] + 17) % 256
+    assert torch.equal(chosen_logps(changed), before)  # chosen never sees rejected tokens
+    rej = row.labels.clone()
+    assert (rej[rejected] != -100).any()
+
+
+def _train(rank, world, argv, out):
+    from fm_parallel.trainer.loop import train
+
+    cfg = load_config(argv + ["--output.dir", out], environ={})
+    train(cfg)
+    return {"ok": True}
+
+
+def _losses(out):
+    return [json.loads(line)["loss"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("objective", ["sft", "dpo"])
+def test_context_parallel_losses_equal_one_process(tmp_path, objective):
+    args = TINY + ["--data.objective", objective]
+    runs = {}
+    for name, world, extra in (("single", 1, ["--parallel.cp", "none"]), ("ring2", 2, ["--parallel.cp", "ring"]),
+                               ("ring4", 4, ["--parallel.cp", "ring", "--parallel.balance", "mask"]),
+                               ("ulysses2", 2, ["--parallel.cp", "ulysses"])):
+        out = str(tmp_path / name)
+        results = run_ranks(_train, world, args + extra, out, timeout=400)
+        assert all("exception" not in r for r in results), [r.get("traceback") for r in results]
+        runs[name] = _losses(out)
+    for name in ("ring2", "ring4", "ulysses2"):
+        assert runs[name] == pytest.approx(runs["single"], rel=2e-5), (name, runs)
+
+
+def test_resume_after_a_stop_reproduces_the_uninterrupted_run(tmp_path):
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    results = run_ranks(_train, 2, TINY, full, timeout=300)
+    assert all("exception" not in r for r in results)
+    for argv in (TINY + ["--output.stop_after", "2"], TINY + ["--resume"]):
+        results = run_ranks(_train, 2, argv, part, timeout=300)
+        assert all("exception" not in r for r in results), [r.get("traceback") for r in results]
+    want, got = _losses(full), _losses(part)
+    assert len(got) == 4
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_sigterm_writes_a_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "fm_parallel.launch", *TINY, "--training.steps", "500", "--parallel.cp", "none", "--output.dir", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, MASTER_PORT=str(29000 + os.getpid() % 500)))
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    done = sorted((out / "checkpoints").glob("step_*"))
+    assert done and (done[-1] / "complete").exists()
+    assert len(metrics.read_text().splitlines()) < 500
