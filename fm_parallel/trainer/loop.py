@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -194,6 +195,8 @@ def _load(path: Path, model, optim) -> tuple[int, int]:
 
 def train(cfg: Config) -> dict:
     """Run training as configured; returns the summary (also printed and written by rank 0)."""
+    # transformers 5 renamed gradient to activation checkpointing and warns from its own internals each step.
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*is deprecated")
     _init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     mode, dims, mesh, group, dp_rank, cp_rank = _layout(cfg)
