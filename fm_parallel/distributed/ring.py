@@ -18,15 +18,14 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from fm_parallel import launchers
-from fm_parallel.distributed.comm import RingComm, check_agreement
+from fm_parallel.distributed.comm import RingComm, check_cp_inputs
 from fm_parallel.distributed.merge import merge
 from fm_parallel.distributed.sharding import ShardPlan, pair_counts
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["ring_attention", "RingStats", "mask_fingerprint"]
+__all__ = ["ring_attention", "RingStats"]
 
 
 @dataclass
@@ -39,19 +38,8 @@ class RingStats:
     visible_pairs: int = 0  # (query, key) pairs of this rank's queries, per mask row
 
 
-def mask_fingerprint(mask: FlashMask) -> int:
-    """A cheap 62-bit digest of the bounds, to check that all ranks hold the same mask."""
-
-    def digest() -> int:
-        w = torch.arange(1, mask.fms.numel() + 1, device=mask.device, dtype=torch.int64) % 1_000_003
-        h = (mask.fms.flatten().to(torch.int64) * w).sum() * 31 + (mask.fme.flatten().to(torch.int64) * (w + 7)).sum()
-        return int(h) % (1 << 62) ^ (mask.num_rows << 1) ^ (mask.max_intervals << 40)
-
-    return mask.cached(("fingerprint",), digest)
-
-
 def _pair_table(mask: FlashMask, plan: ShardPlan) -> torch.Tensor:
-    key = ("pairs", mask_fingerprint(mask), tuple(mask.fms.shape))
+    key = ("pairs", mask.digest(), tuple(mask.fms.shape))
     if key not in plan._cache:
         plan._cache[key] = pair_counts(mask, plan.positions)
     return plan._cache[key]
@@ -195,33 +183,11 @@ def ring_attention(
     Raises:
         ValueError: bad shapes, or ranks that disagree on shapes, plan or mask (raised on every rank).
     """
-    if not dist.is_initialized():
-        raise ValueError("group: expected an initialised torch.distributed process group, got none")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if not isinstance(plan, ShardPlan) or plan.world_size != world:
-        got = plan.world_size if isinstance(plan, ShardPlan) else type(plan).__name__
-        raise ValueError(f"plan: expected a ShardPlan for the group's {world} ranks, got {got}")
-    if not isinstance(mask, FlashMask) or mask.num_keys != plan.num_tokens:
-        got = mask.num_keys if isinstance(mask, FlashMask) else type(mask).__name__
-        raise ValueError(f"mask: expected a FlashMask with {plan.num_tokens} key columns (the plan's N), got {got}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name}: expected a [B, H, N/P, D] tensor, got {getattr(t, 'shape', type(t).__name__)}")
-    b, hq, n_local, d = q.shape
+    world, rank = check_cp_inputs(q, k, v, mask, plan, group)
+    b, hq, _, d = q.shape
     hkv = k.shape[1]
-    # Agree first, so that a mismatch raises on every rank instead of hanging in a transfer.
-    check_agreement(
-        [n_local, k.shape[2], b, hq, hkv, d, v.shape[-1], plan.num_tokens, mask_fingerprint(mask),
-         plan.digest()],
-        ["q length", "k length", "batch", "query heads", "kv heads", "head dim", "value dim", "plan tokens", "mask", "plan"],
-        group,
-    )
-    if n_local != plan.local_tokens or k.shape[2] != n_local or v.shape[2] != n_local:
-        raise ValueError(f"q, k, v: expected {plan.local_tokens} local tokens (N / P), got {n_local}, {k.shape[2]}, {v.shape[2]}")
-    if hq % hkv or k.shape[:2] != v.shape[:2] or k.shape[0] != b or k.shape[-1] != d:
-        raise ValueError(f"k, v: expected [B={b}, H_kv dividing {hq}, N/P, D={d}], got {tuple(k.shape)} and {tuple(v.shape)}")
-    if mask.device != q.device:
-        raise ValueError(f"mask: expected device {q.device} like q, got {mask.device}")
+    if hq % hkv:
+        raise ValueError(f"k: expected a number of heads dividing q's {hq}, got {hkv}")
     if mask.batch not in (1, b) or mask.heads not in (1, hkv, hq):
         raise ValueError(f"mask: expected batch 1 or {b} and 1, {hkv} or {hq} heads, got {mask.batch} and {mask.heads}")
     table = _pair_table(mask, plan)

@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fm_parallel.attention import flashmask_attention
-from fm_parallel.distributed.comm import check_agreement
-from fm_parallel.distributed.ring import mask_fingerprint
+from fm_parallel.distributed.comm import check_cp_inputs
 from fm_parallel.distributed.sharding import ShardPlan
 from fm_parallel.masks.flashmask import FlashMask
 
@@ -133,24 +132,8 @@ def ulysses_attention(
     Returns:
         ``[B, Hq, N / P, Dv]``, this rank's rows. Differentiable.
     """
-    if not dist.is_initialized():
-        raise ValueError("group: expected an initialised torch.distributed process group, got none")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if not isinstance(plan, ShardPlan) or plan.world_size != world:
-        got = plan.world_size if isinstance(plan, ShardPlan) else type(plan).__name__
-        raise ValueError(f"plan: expected a ShardPlan for the group's {world} ranks, got {got}")
-    if not isinstance(mask, FlashMask) or mask.num_keys != plan.num_tokens:
-        got = mask.num_keys if isinstance(mask, FlashMask) else type(mask).__name__
-        raise ValueError(f"mask: expected a FlashMask with {plan.num_tokens} key columns (the plan's N), got {got}")
-    b, hq, n_local, d = q.shape
-    hkv = k.shape[1]
-    check_agreement(
-        [n_local, k.shape[2], b, hq, hkv, d, v.shape[-1], plan.num_tokens, mask_fingerprint(mask), plan.digest()],
-        ["q length", "k length", "batch", "query heads", "kv heads", "head dim", "value dim", "plan tokens", "mask", "plan"],
-        group,
-    )
-    if n_local != plan.local_tokens:
-        raise ValueError(f"q: expected {plan.local_tokens} local tokens (N / P), got {n_local}")
+    world, rank = check_cp_inputs(q, k, v, mask, plan, group)
+    hq, hkv = q.shape[1], k.shape[1]
     repeat = ulysses_heads(hq, hkv, world)
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)

@@ -154,6 +154,16 @@ class FlashMask:
         """Visible (query, key) pairs per mask row, ``[B, Hm]`` int64, for rows ``0 .. nq-1``."""
         return intervals.count_rows(self.fms, self.fme, self.num_rows if nq is None else nq).sum(-1)
 
+    def digest(self) -> int:
+        """A cheap 62-bit digest of the bounds (cached), to check that ranks hold the same mask."""
+
+        def make() -> int:
+            w = torch.arange(1, self.fms.numel() + 1, device=self.device, dtype=torch.int64) % 1_000_003
+            h = (self.fms.flatten().to(torch.int64) * w).sum() * 31 + (self.fme.flatten().to(torch.int64) * (w + 7)).sum()
+            return int(h) % (1 << 62) ^ (self.num_rows << 1) ^ (self.max_intervals << 40)
+
+        return self.cached(("digest",), make)
+
     def block_summary(self, block: int) -> "BlockSummary":
         """Min/max of the bounds per key block of ``block`` columns (cached per block size)."""
         from fm_parallel.masks.blocks import summarize

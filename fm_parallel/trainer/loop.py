@@ -198,7 +198,7 @@ def train(cfg: Config) -> dict:
     # transformers 5 renamed gradient to activation checkpointing and warns from its own internals each step.
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*is deprecated")
     _init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     mode, dims, mesh, group, dp_rank, cp_rank = _layout(cfg)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
