@@ -35,6 +35,8 @@ class ModelConfig:
     lora_alpha: int = 32
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
     activation_checkpointing: bool = True
+    offload_checkpoints: bool = False  # keep the checkpointed layer inputs in (pinned) host memory
+    tiled_mlp_chunk: int = 0  # run each MLP over sequence chunks of this many tokens (0: whole sequence)
 
 
 @dataclass

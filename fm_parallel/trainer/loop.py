@@ -83,17 +83,41 @@ def _build_model(cfg: Config, vocab_size: int, device):
             max_position_embeddings=max(cfg.data.seq_len, 2048), attn_implementation=name,
         )).to(dtype)
     base.to(device)
+    if cfg.model.offload_checkpoints and device.type != "cuda":
+        raise ValueError("model.offload_checkpoints: expected a GPU run (it offloads to pinned host memory), got device cpu")
     if cfg.model.activation_checkpointing:
         base.config.use_cache = False
         if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x
-            base.activation_checkpointing_enable({"use_reentrant": False})
+            base.activation_checkpointing_enable({"use_reentrant": False}, offload=cfg.model.offload_checkpoints)
+        elif cfg.model.offload_checkpoints:
+            raise ValueError("model.offload_checkpoints: needs transformers >= 5 (activation_checkpointing_enable)")
         else:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.model.tiled_mlp_chunk:
+        _tile_mlps(base, cfg.model.tiled_mlp_chunk)
     lora = LoraConfig(r=cfg.model.lora_rank, lora_alpha=cfg.model.lora_alpha,
                       target_modules=[t.strip() for t in cfg.model.lora_targets.split(",") if t.strip()])
     model = get_peft_model(base, lora)
     model.train()
     return model
+
+
+def _tile_mlps(model, chunk: int) -> None:
+    """Run every decoder MLP over sequence chunks, each checkpointed, so its ``[N, intermediate]``
+    activations exist one chunk at a time (the MLP is per token, so the result is the same)."""
+    mlps = [m for name, m in model.named_modules() if name.endswith(".mlp")]
+    if not mlps:
+        raise ValueError("model.tiled_mlp_chunk: expected decoder layers with an `.mlp` module, found none")
+    for mlp in mlps:
+        forward = mlp.forward
+
+        def tiled(x, _forward=forward):
+            if x.shape[1] <= chunk:
+                return _forward(x)
+            return torch.cat([checkpoint(_forward, x[:, c : c + chunk], use_reentrant=False)
+                              for c in range(0, x.shape[1], chunk)], dim=1)
+
+        mlp.forward = tiled
 
 
 # ---------------------------------------------------------------------- loss
