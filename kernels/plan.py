@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from fm_parallel.masks.blocks import TileClass, classify_tiles, row_block_bounds
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["BlockSparsePlan", "build_plan"]
+__all__ = ["BlockSparsePlan", "build_plan", "build_plans"]
 
 
 @dataclass(frozen=True)
@@ -60,19 +60,18 @@ def _runs(flag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return offsets.to(torch.int32), runs.to(torch.int32).contiguous()
 
 
-def build_plan(
-    mask: FlashMask, positions: torch.Tensor, block_m: int, block_n: int, transposed: bool = False
-) -> BlockSparsePlan:
-    """Plan for queries at ``positions`` ``[Nq]`` against all ``mask.num_keys`` keys.
-
-    A ragged last key block is never listed as full: its missing columns must be masked.
-    """
+def _classes(mask: FlashMask, positions: torch.Tensor, block_m: int, block_n: int) -> torch.Tensor:
+    """``[Bm * Hm, Tr, Tc]`` tile classes; a ragged last key block is never full (its missing columns
+    must be masked)."""
     lo, hi = row_block_bounds(positions, block_m)
     cls = classify_tiles(mask.block_summary(block_n), lo, hi)  # [Bm, Hm, Tr, Tc]
     if mask.num_keys % block_n:
         last = cls[..., -1]
         cls[..., -1] = torch.where(last == TileClass.FULL, torch.full_like(last, int(TileClass.PARTIAL)), last)
-    cls = cls.flatten(0, 1)
+    return cls.flatten(0, 1)
+
+
+def _layout(cls: torch.Tensor, block_m: int, block_n: int, transposed: bool) -> BlockSparsePlan:
     if transposed:
         cls = cls.transpose(1, 2)
     num_outer = cls.shape[1]
@@ -84,3 +83,17 @@ def build_plan(
     work = (cls != TileClass.SKIP).view(-1, num_outer, cls.shape[1]).sum((0, 2))
     order = torch.argsort(work, descending=True, stable=True).to(torch.int32)
     return BlockSparsePlan(block_m, block_n, transposed, num_outer, full_offsets, full_runs, part_offsets, part_runs, order)
+
+
+def build_plan(
+    mask: FlashMask, positions: torch.Tensor, block_m: int, block_n: int, transposed: bool = False
+) -> BlockSparsePlan:
+    """Plan for queries at ``positions`` ``[Nq]`` against all ``mask.num_keys`` keys
+    (outer = query blocks, or key blocks when ``transposed``)."""
+    return _layout(_classes(mask, positions, block_m, block_n), block_m, block_n, transposed)
+
+
+def build_plans(mask: FlashMask, positions: torch.Tensor, block_m: int, block_n: int) -> tuple[BlockSparsePlan, BlockSparsePlan]:
+    """Both orientations from one classification: (per query block, per key block)."""
+    cls = _classes(mask, positions, block_m, block_n)
+    return _layout(cls, block_m, block_n, False), _layout(cls, block_m, block_n, True)

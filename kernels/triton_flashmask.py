@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from fm_parallel.kernels.plan import BlockSparsePlan, build_plan
+from fm_parallel.kernels.plan import BlockSparsePlan, build_plan, build_plans
 from fm_parallel.kernels.triton_kernels import (
     LOG2E,
     flashmask_bwd_kv_kernel,
@@ -59,10 +59,12 @@ def config_for(kind: str, head_dim: int) -> KernelConfig:
 
 
 def _plan(mask: FlashMask, positions: torch.Tensor, cfg: KernelConfig, transposed: bool, q_offset: int | None):
-    make = lambda: build_plan(mask, positions, cfg.block_m, cfg.block_n, transposed)  # noqa: E731
+    """The launch plan for one pass. Both orientations come from one tile classification and are
+    cached together, so the forward, dK/dV and dQ passes classify once per mask and block shape."""
     if q_offset is None:  # arbitrary positions: no cheap key to cache on
-        return make()
-    return mask.cached(("triton_plan", cfg.block_m, cfg.block_n, transposed, q_offset, positions.numel()), make)
+        return build_plan(mask, positions, cfg.block_m, cfg.block_n, transposed)
+    key = ("triton_plans", cfg.block_m, cfg.block_n, q_offset, positions.numel())
+    return mask.cached(key, lambda: build_plans(mask, positions, cfg.block_m, cfg.block_n))[int(transposed)]
 
 
 def _meta(q, v, mask: FlashMask):

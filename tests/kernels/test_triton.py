@@ -149,3 +149,14 @@ def test_in_place_edit_of_the_bounds_is_not_served_a_stale_plan():
     ref, _ = reference_attention(q.double(), k.double(), v.double(), FlashMask(m.fms, m.fme, 64))
     torch.testing.assert_close(second.double(), ref, atol=2e-5, rtol=0)
     assert not torch.allclose(first, second)
+
+
+def test_both_orientations_from_one_classification():
+    from fm_parallel.kernels.plan import build_plans
+
+    m = masks.union(masks.document([50, 47]), masks.sliding_window(97, 4, sinks=1))
+    pos = torch.arange(97)
+    fwd, kv = build_plans(m, pos, 16, 8)
+    for got, want in ((fwd, build_plan(m, pos, 16, 8, False)), (kv, build_plan(m, pos, 16, 8, True))):
+        for name in ("full_offsets", "full_runs", "part_offsets", "part_runs", "order"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
