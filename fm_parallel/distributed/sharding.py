@@ -7,8 +7,10 @@ global rows. Balance modes:
 * ``"contiguous"``: rank r holds ``[r N/P, (r+1) N/P)``;
 * ``"zigzag"``: the sequence cut into 2P chunks, rank r holds chunks r and 2P-1-r (balances causal);
 * ``"mask"``: the sequence cut into blocks; blocks sorted by the visible pairs of their query rows
-  are dealt greedily to the least-loaded rank that still has room (equal token counts). Blocks are
-  as large as the balance target allows, to keep neighbours together (fewer ring transfers).
+  are dealt greedily to the least-loaded rank that still has room (equal token counts), preferring
+  a rank that already holds an adjacent block while the balance target allows. Blocks are as large
+  as the target allows. Both keep neighbours together: fewer ranks see each other's keys, so the
+  ring skips more transfers.
 
 The pair table (:func:`pair_counts`) is exact, computed from the column intervals: entry [r, j] is
 the number of visible (query of rank r, key of rank j) pairs. Ring attention skips a transfer exactly
@@ -108,14 +110,23 @@ def pair_counts(mask: FlashMask, positions: list[torch.Tensor]) -> torch.Tensor:
     return table
 
 
-def _greedy(work: torch.Tensor, world_size: int, k: int) -> tuple[list[list[int]], float]:
-    """Deal ``world_size * k`` blocks, largest work first, each to the least-loaded rank with room."""
+def _greedy(work: torch.Tensor, world_size: int, k: int, target: float, neighbours: bool) -> tuple[list[list[int]], float]:
+    """Deal ``world_size * k`` blocks, largest work first, to the least-loaded rank with room. With
+    ``neighbours``, a block rather goes to a rank that already owns an adjacent block when that keeps
+    the rank within ``target`` times the mean load (fewer ranks then see each other's keys)."""
     loads = [0] * world_size
     owned: list[list[int]] = [[] for _ in range(world_size)]
+    owner: dict[int, int] = {}
+    cap = target * float(work.sum()) / world_size
     for blk in torch.argsort(work, descending=True, stable=True).tolist():
-        rank = min((r for r in range(world_size) if len(owned[r]) < k), key=lambda r: (loads[r], r))
+        w = int(work[blk])
+        room = [r for r in range(world_size) if len(owned[r]) < k]
+        near = [owner[b] for b in (blk - 1, blk + 1)
+                if neighbours and b in owner and owner[b] in room and loads[owner[b]] + w <= cap]
+        rank = min(near, key=lambda r: (loads[r], r)) if near else min(room, key=lambda r: (loads[r], r))
         owned[rank].append(blk)
-        loads[rank] += int(work[blk])
+        owner[blk] = rank
+        loads[rank] += w
     mean = sum(loads) / world_size
     return owned, (max(loads) / mean if mean else 1.0)
 
@@ -131,11 +142,13 @@ def _balance_by_mask(mask: FlashMask, world_size: int, blocks_per_rank: int | No
     choices = [blocks_per_rank] if blocks_per_rank else [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if local % k == 0]
     best = None
     for k in choices:
-        owned, imbalance = _greedy(work_rows.view(world_size * k, local // k).sum(1), world_size, k)
-        if best is None or imbalance < best[2] - 1e-9:
-            best = (owned, local // k, imbalance)
-        if imbalance <= target:
-            break
+        work = work_rows.view(world_size * k, local // k).sum(1)
+        for neighbours in (True, False):  # keeping neighbours together first, plain balance second
+            owned, imbalance = _greedy(work, world_size, k, target, neighbours)
+            if best is None or imbalance < best[2] - 1e-9:
+                best = (owned, local // k, imbalance)
+            if imbalance <= target:
+                return owned, local // k
     return best[0], best[1]
 
 
