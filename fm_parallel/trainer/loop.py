@@ -253,15 +253,16 @@ def train(cfg: Config) -> dict:
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-        if not cfg.output.resume and metrics_path.exists():
-            metrics_path.unlink()
+        if metrics_path.exists():
+            # A fresh run starts a new log; a resumed one drops what was logged after its checkpoint.
+            kept = [line for line in metrics_path.read_text().splitlines()
+                    if cfg.output.resume and line.strip() and json.loads(line)["step"] < start]
+            metrics_path.write_text("".join(line + "\n" for line in kept))
     bar = None
     if rank == 0:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.training.steps, initial=start, desc=f"{cfg.data.objective} {mode} x{cp} dp{dp}", unit="step")
-    history = []
-    step = start - 1
     for step in range(start, cfg.training.steps):
         t0 = time.perf_counter()
         rows: list[Row] = [next(stream) for _ in range(dp * accum)]
@@ -289,14 +290,13 @@ def train(cfg: Config) -> dict:
         elapsed = time.perf_counter() - t0
         tokens = len(rows) * cfg.data.seq_len
         record = {"step": step, "loss": local_loss.item(), "tokens_per_s": tokens / elapsed, "lr": _lr(cfg, step), "step_s": elapsed}
-        history.append(record)
         if rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
             bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update(1)
         last = step == cfg.training.steps - 1
-        flag = torch.tensor(1 if stop["flag"] else 0)
+        flag = torch.tensor(1 if stop["flag"] else 0, device=device)  # NCCL reduces device tensors only
         dist.all_reduce(flag)  # every rank stops at the same step
         stopping = bool(flag.item()) or step + 1 == cfg.output.stop_after
         if (cfg.output.checkpoint_every and (step + 1) % cfg.output.checkpoint_every == 0) or last or stopping:
