@@ -167,6 +167,7 @@ def flashmask_attention(
     impl: str = "auto",
     return_lse: bool = False,
     block_size: int = DEFAULT_BLOCK,
+    deterministic: bool = True,
 ):
     """Attention under a FlashMask, in SDPA layout.
 
@@ -187,6 +188,9 @@ def flashmask_attention(
             ``"triton"``, ``"torch"`` or ``"dense"``. An explicit choice is honoured or raises.
         return_lse: also return the log-sum-exp ``[B, Hq, Nq]`` float32 (natural log).
         block_size: tile size of the PyTorch path.
+        deterministic: Triton backward with a separate dQ pass (reproducible bit for bit); False lets
+            the dK/dV pass accumulate dQ with atomics (one recomputation fewer). The PyTorch path is
+            always deterministic.
     Returns:
         ``out [B, Hq, Nq, Dv]`` in q's dtype (and ``lse``). Rows that see no key give 0 (lse -inf)
         and no NaN in any gradient.
@@ -244,5 +248,5 @@ def flashmask_attention(
         out, lse = blockwise_attention(q, k, v, mask, positions, scale, block_size, block_size)
     else:
         offset = q_offset if q_positions is None else None  # lets the backend cache its launch plan
-        out, lse = _LOADED[impl].attention(q, k, v, mask, positions, scale, offset)
+        out, lse = _LOADED[impl].attention(q, k, v, mask, positions, scale, offset, deterministic)
     return (out, lse) if return_lse else out

@@ -119,8 +119,9 @@ def _delta(out, dout, dlse):
     return delta.contiguous()
 
 
-def bwd_kv(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset=None):
-    """dK, dV: one program per key block, looping over the query blocks that see it (all query heads of its KV head)."""
+def bwd_kv(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset=None, dq_acc=None):
+    """dK, dV: one program per key block, looping over the query blocks that see it (all query heads of
+    its KV head). With ``dq_acc`` (float32, like q) it also atomically accumulates dQ there."""
     b, hq, nq, d = q.shape
     hkv = k.shape[1]
     dk = torch.empty_like(k, dtype=_buffer_dtype(k.dtype))
@@ -128,12 +129,14 @@ def bwd_kv(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offse
     cfg = config_for("bwd_kv", d)
     plan = _plan(mask, positions, cfg, True, q_offset)
     flashmask_bwd_kv_kernel[(plan.num_outer, b * hkv)](
-        q, k, v, dout, lse, delta, dk, dv, mask.fms, mask.fme, positions.to(torch.int32), *_plan_args(plan),
+        q, k, v, dout, lse, delta, dk, dv, dk if dq_acc is None else dq_acc, mask.fms, mask.fme,
+        positions.to(torch.int32), *_plan_args(plan),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
-        *dk.stride()[:3], *dv.stride()[:3], mask.fms.stride(0), mask.fms.stride(1),
+        *dk.stride()[:3], *dv.stride()[:3], *(dk if dq_acc is None else dq_acc).stride()[:3],
+        mask.fms.stride(0), mask.fms.stride(1),
         Hkv=hkv, num_k_blocks=plan.num_outer, qk_scale=scale * LOG2E, scale=scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_meta(q, v, mask),
+        ATOMIC_DQ=dq_acc is not None, **_meta(q, v, mask),
     )
     return dk.to(k.dtype), dv.to(v.dtype)
 
@@ -155,13 +158,21 @@ def bwd_q(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset
     return dq.to(q.dtype)
 
 
-def flashmask_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale, dlse=None, q_offset=None):
-    """Backward launcher: ``(dq, dk, dv)`` in the inputs' dtypes. ``dlse``: gradient of the lse output."""
+def flashmask_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale, dlse=None, q_offset=None,
+                  deterministic: bool = True):
+    """Backward launcher: ``(dq, dk, dv)`` in the inputs' dtypes. ``dlse``: gradient of the lse output.
+
+    ``deterministic=True`` computes dQ in its own pass (bitwise reproducible); False accumulates it
+    with float32 atomics inside the dK/dV pass (one recomputation of QK^T fewer, summation order varies).
+    """
     q, k, v, out, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, out, dout))
     delta, lse = _delta(out, dout, dlse), lse.contiguous()
-    dk, dv = bwd_kv(q, k, v, dout, lse, delta, mask, positions, scale, q_offset)
-    dq = bwd_q(q, k, v, dout, lse, delta, mask, positions, scale, q_offset)
-    return dq, dk, dv
+    if deterministic:
+        dk, dv = bwd_kv(q, k, v, dout, lse, delta, mask, positions, scale, q_offset)
+        return bwd_q(q, k, v, dout, lse, delta, mask, positions, scale, q_offset), dk, dv
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk, dv = bwd_kv(q, k, v, dout, lse, delta, mask, positions, scale, q_offset, dq_acc=dq_acc)
+    return dq_acc.to(q.dtype), dk, dv
 
 
 # ----------------------------------------------------------------- custom op
@@ -194,13 +205,13 @@ def _offset(q_offset: int):
 @torch.library.custom_op("fm_parallel::flashmask_fwd", mutates_args=())
 def _fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fms: torch.Tensor, fme: torch.Tensor,
-    positions: torch.Tensor, num_rows: int, scale: float, q_offset: int,
+    positions: torch.Tensor, num_rows: int, scale: float, q_offset: int, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return flashmask_fwd(q, k, v, _registered_mask(fms, fme, num_rows), positions, scale, _offset(q_offset))
 
 
 @_fwd_op.register_fake
-def _(q, k, v, fms, fme, positions, num_rows, scale, q_offset):
+def _(q, k, v, fms, fme, positions, num_rows, scale, q_offset, deterministic):
     out = q.new_empty(*q.shape[:3], v.shape[-1])
     return out, q.new_empty(q.shape[:3], dtype=torch.float32)
 
@@ -209,35 +220,38 @@ def _(q, k, v, fms, fme, positions, num_rows, scale, q_offset):
 def _bwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
     dlse: torch.Tensor | None, fms: torch.Tensor, fme: torch.Tensor, positions: torch.Tensor,
-    num_rows: int, scale: float, q_offset: int,
+    num_rows: int, scale: float, q_offset: int, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     mask = _registered_mask(fms, fme, num_rows)
-    return flashmask_bwd(q, k, v, out, lse, dout, mask, positions, scale, dlse, _offset(q_offset))
+    return flashmask_bwd(q, k, v, out, lse, dout, mask, positions, scale, dlse, _offset(q_offset), deterministic)
 
 
 @_bwd_op.register_fake
-def _(q, k, v, out, lse, dout, dlse, fms, fme, positions, num_rows, scale, q_offset):
+def _(q, k, v, out, lse, dout, dlse, fms, fme, positions, num_rows, scale, q_offset, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, fms, fme, positions, num_rows, scale, q_offset = inputs
+    q, k, v, fms, fme, positions, num_rows, scale, q_offset, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, fms, fme, positions)
-    ctx.num_rows, ctx.scale, ctx.q_offset = num_rows, scale, q_offset
+    ctx.num_rows, ctx.scale, ctx.q_offset, ctx.deterministic = num_rows, scale, q_offset, deterministic
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, fms, fme, positions = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = _bwd_op(q, k, v, out, lse, dout.contiguous(), dlse, fms, fme, positions, ctx.num_rows, ctx.scale, ctx.q_offset)
-    return dq, dk, dv, None, None, None, None, None, None
+    dq, dk, dv = _bwd_op(q, k, v, out, lse, dout.contiguous(), dlse, fms, fme, positions, ctx.num_rows, ctx.scale,
+                         ctx.q_offset, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def attention(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None):
+def attention(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None,
+              deterministic: bool = True):
     """Differentiable FlashMask attention through the custom op (inputs validated by the caller)."""
-    return _fwd_op(q, k, v, mask.fms, mask.fme, positions, mask.num_rows, float(scale), -1 if q_offset is None else q_offset)
+    return _fwd_op(q, k, v, mask.fms, mask.fme, positions, mask.num_rows, float(scale),
+                   -1 if q_offset is None else q_offset, bool(deterministic))

@@ -160,3 +160,11 @@ def test_both_orientations_from_one_classification():
     for got, want in ((fwd, build_plan(m, pos, 16, 8, False)), (kv, build_plan(m, pos, 16, 8, True))):
         for name in ("full_offsets", "full_runs", "part_offsets", "part_runs", "order"):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+@pytest.mark.parametrize("hq,hkv,hm", [(2, 1, 1), (4, 2, 4)])
+def test_atomic_dq_backward_matches_the_reference(hq, hkv, hm):
+    fms, fme, _ = random_intervals(1, hm, 70, 70, 3, seed=hq + hm)
+    m = FlashMask(fms, fme, 70)
+    q, k, v = on_device(*qkv(1, hq, hkv, 70, 16, torch.float32, seed=3))
+    assert_matches_reference(run(q, k, v, m, deterministic=False), q, k, v, m.to(DEVICE))
