@@ -42,3 +42,27 @@ def test_ring_planner_report(tmp_path):
     assert len(data["planner"]) == 6 * 2 * 3
     docs = [r for r in data["planner"] if r["mask"] == "docs" and r["balance"] == "contiguous" and r["world"] == 8][0]
     assert docs["transfers"] < docs["plain_transfers"]
+
+
+def test_max_context_search_doubles_then_bisects():
+    sys.path.insert(0, str(ROOT / "launch" / "bench"))
+    from max_context import search_longest
+
+    longest, tried = search_longest(lambda n: n <= 300_000, 8192, 1 << 21, 16384)
+    assert tried[:7] == [8192, 16384, 32768, 65536, 131072, 262144, 524288]
+    assert 300_000 - 16384 < longest <= 300_000
+    assert search_longest(lambda n: False, 8192, 1 << 21, 16384) == (0, [8192])
+    assert search_longest(lambda n: True, 8192, 32768, 16384)[0] == 32768
+
+
+def test_max_context_runs_a_real_step_on_the_cpu(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "bench" / "max_context.py"), "--models", "tiny", "--impls", "flashmask",
+         "sdpa_dense", "--device", "cpu", "--start", "256", "--max", "512", "--granularity", "128", "--loss-chunk", "128",
+         "--tiled-mlp", "128", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((tmp_path / "max_context.json").read_text())
+    assert [r["longest"] for r in data["results"]] == [512, 512]
+    assert all(t["fits"] and "error" not in t for r in data["results"] for t in r["tried"])
