@@ -10,6 +10,7 @@ from fm_parallel.masks.builders import (
     intersect,
     prefix_lm,
     preference,
+    sample_lengths,
     sliding_window,
     stack,
     union,
@@ -20,7 +21,7 @@ from fm_parallel.masks.intervals import MaskNotExpressible
 
 __all__ = [
     "FlashMask", "MaskStats", "MaskNotExpressible", "MAX_INTERVALS",
-    "causal", "full", "document", "prefix_lm", "dpo", "preference", "sliding_window",
+    "causal", "full", "document", "sample_lengths", "prefix_lm", "dpo", "preference", "sliding_window",
     "union", "intersect", "stack", "from_dense",
     "to_paddle", "from_paddle", "to_flex_mask_mod", "to_block_mask",
     "BlockSummary", "TileClass", "summarize", "classify_tiles", "row_block_bounds", "count_tiles",

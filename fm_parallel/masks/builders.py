@@ -32,6 +32,7 @@ __all__ = [
     "intersect",
     "stack",
     "from_dense",
+    "sample_lengths",
 ]
 
 
@@ -282,6 +283,21 @@ def sliding_window(n: int, window: int, sinks: int = 0) -> FlashMask:
     j = torch.arange(n).view(1, n)
     fme = torch.where(j < sinks, torch.full_like(j, n - 1), j + window - 1)
     return _make(j, fme, None, n)
+
+
+def sample_lengths(n: int, mean: int = 2048, seed: int = 1) -> list[int]:
+    """Document lengths summing to ``n``: uniform in ``[mean/4, 7 mean/4)``, the last one cut to fit.
+
+    The generator of the benchmark anchors (../shared/anchors.md), so benchmarks and tests that use it
+    pack the same documents for the same ``n``, ``mean`` and ``seed``.
+    """
+    n, mean = _check_int("n", n, 1), _check_int("mean", mean, 4)
+    g = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < n:
+        lengths.append(int(torch.randint(mean // 4, mean * 7 // 4, (1,), generator=g)))
+    lengths[-1] -= sum(lengths) - n
+    return lengths
 
 
 # ---------------------------------------------------------------- combinators

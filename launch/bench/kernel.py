@@ -39,13 +39,8 @@ MASKS = ("causal", "docs", "dpo", "sliding", "prefix", "multi")
 
 
 def doc_lengths(n: int, mean: int = 2048, seed: int = 1) -> list[int]:
-    """The anchors' generator: lengths uniform in [mean/4, 7 mean/4), last one cut to fit."""
-    g = torch.Generator().manual_seed(seed)
-    lens: list[int] = []
-    while sum(lens) < n:
-        lens.append(int(torch.randint(mean // 4, mean * 7 // 4, (1,), generator=g)))
-    lens[-1] -= sum(lens) - n
-    return lens
+    """The anchors' generator (``masks.sample_lengths``)."""
+    return masks.sample_lengths(n, mean, seed)
 
 
 def build(name: str, n: int):

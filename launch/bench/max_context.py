@@ -63,15 +63,6 @@ def search_longest(fits, start: int, maximum: int, granularity: int) -> tuple[in
     return good, tried
 
 
-def _doc_lengths(n: int, mean: int = 2048) -> list[int]:
-    g = torch.Generator().manual_seed(1)
-    lens: list[int] = []
-    while sum(lens) < n:
-        lens.append(int(torch.randint(mean // 4, mean * 7 // 4, (1,), generator=g)))
-    lens[-1] -= sum(lens) - n
-    return lens
-
-
 def _model(shape: str, impl: str, device, dtype, args):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -105,7 +96,7 @@ def _step(model, impl: str, n: int, device, args) -> float:
     from fm_parallel import masks
     from fm_parallel.trainer.loop import _chunked
 
-    lens = _doc_lengths(n)
+    lens = masks.sample_lengths(n)
     mask = masks.document(lens).to(device)
     vocab = model.get_base_model().config.vocab_size
     ids = torch.randint(0, vocab, (1, n), device=device)

@@ -36,11 +36,7 @@ from fm_parallel.distributed import BALANCE_MODES, pair_counts, row_work, shard 
 
 
 def families(n: int) -> dict:
-    g = torch.Generator().manual_seed(1)
-    lens: list[int] = []
-    while sum(lens) < n:
-        lens.append(int(torch.randint(512, 3584, (1,), generator=g)))
-    lens[-1] -= sum(lens) - n
+    lens = masks.sample_lengths(n, mean=2048, seed=1)
     return {
         "causal": masks.causal(n),
         "docs": masks.document(lens),

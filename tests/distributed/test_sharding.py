@@ -43,11 +43,7 @@ def imbalance(mask, plan):
 
 
 def families(n):
-    g = torch.Generator().manual_seed(1)
-    lens = []
-    while sum(lens) < n:
-        lens.append(int(torch.randint(512, 3584, (1,), generator=g)))
-    lens[-1] -= sum(lens) - n
+    lens = masks.sample_lengths(n, mean=2048, seed=1)
     return {
         "causal": masks.causal(n),
         "docs": masks.document(lens),

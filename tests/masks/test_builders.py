@@ -171,3 +171,10 @@ def test_builders_are_vectorised_at_long_lengths():
     t0 = time.perf_counter()
     m = masks.document([1000] * 1048, n=1 << 20)
     assert m.num_keys == 1 << 20 and time.perf_counter() - t0 < 5.0
+
+
+def test_sample_lengths_is_the_anchors_generator():
+    lens = masks.sample_lengths(100_000, mean=2048, seed=1)
+    assert sum(lens) == 100_000 and all(512 <= x < 3584 for x in lens[:-1]) and 0 < lens[-1] < 3584
+    assert lens == masks.sample_lengths(100_000)  # deterministic: mean 2048, seed 1 by default
+    assert lens[:3] != masks.sample_lengths(100_000, seed=2)[:3]
