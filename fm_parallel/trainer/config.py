@@ -35,7 +35,8 @@ class ModelConfig:
     lora_alpha: int = 32
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
     activation_checkpointing: bool = True
-    offload_checkpoints: bool = False  # keep the checkpointed layer inputs in (pinned) host memory
+    offload_layers: int = 0  # layers (from the first) whose checkpointed input lives in host memory; -1: all
+    attention: str = "flashmask"  # flashmask | sdpa (dense N x N mask) | flex (BlockMask): the baselines need cp 1
     tiled_mlp_chunk: int = 0  # run each MLP over sequence chunks of this many tokens (0: whole sequence)
 
 
@@ -146,6 +147,8 @@ def load_config(argv: list[str] | None = None, environ: dict | None = None) -> C
         cfg.output.resume = True
     if cfg.data.objective not in ("sft", "dpo"):
         raise ValueError(f"data.objective: expected 'sft' or 'dpo', got {cfg.data.objective!r}")
+    if cfg.model.attention not in ("flashmask", "sdpa", "flex"):
+        raise ValueError(f"model.attention: expected flashmask, sdpa or flex, got {cfg.model.attention!r}")
     if cfg.parallel.cp not in ("ring", "ulysses", "hybrid", "none"):
         raise ValueError(f"parallel.cp: expected ring, ulysses, hybrid or none, got {cfg.parallel.cp!r}")
     return cfg

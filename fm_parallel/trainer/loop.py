@@ -26,6 +26,7 @@ from fm_parallel.distributed import ParallelDims, shard
 from fm_parallel.distributed.context import ContextParallel
 from fm_parallel.trainer.config import Config, load_config
 from fm_parallel.trainer.data import Row, dpo_rows, load_tokenizer, sft_rows
+from fm_parallel.trainer.memory import checkpoint_layers
 
 __all__ = ["main", "train"]
 
@@ -50,6 +51,9 @@ def _layout(cfg: Config):
     uly = {"ring": 1, "ulysses": cp, "hybrid": cfg.parallel.ulysses_degree, "none": 1}[mode]
     if cp % uly:
         raise ValueError(f"parallel.ulysses_degree: expected a divisor of the CP degree {cp}, got {uly}")
+    if cfg.model.attention != "flashmask" and cp > 1:
+        raise ValueError(f"model.attention: {cfg.model.attention!r} is a single-device baseline; expected parallel.cp none "
+                         f"or a CP degree of 1, got {mode} over {cp} ranks")
     dims = ParallelDims(world, ring=cp // uly, ulysses=uly)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = dims.build_mesh(device)
@@ -69,7 +73,7 @@ def _build_model(cfg: Config, vocab_size: int, device):
 
     from fm_parallel.integrations import transformers as fm_hf
 
-    name = fm_hf.register()
+    name = {"flashmask": fm_hf.register(), "sdpa": "sdpa", "flex": "flex_attention"}[cfg.model.attention]
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16, "float64": torch.float64}[cfg.model.dtype]
     torch.manual_seed(cfg.training.seed)
@@ -77,28 +81,26 @@ def _build_model(cfg: Config, vocab_size: int, device):
         base = AutoModelForCausalLM.from_pretrained(cfg.model.path, attn_implementation=name, torch_dtype=dtype, local_files_only=True)
     else:
         m = cfg.model
-        base = LlamaForCausalLM(LlamaConfig(
-            vocab_size=vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-            num_hidden_layers=m.layers, num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
-            max_position_embeddings=max(cfg.data.seq_len, 2048), attn_implementation=name,
-        )).to(dtype)
+        with torch.device(device):  # initialise on the device: an 8B model's CPU init takes minutes
+            base = LlamaForCausalLM(LlamaConfig(
+                vocab_size=vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                num_hidden_layers=m.layers, num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
+                max_position_embeddings=max(cfg.data.seq_len, 2048), attn_implementation=name,
+            )).to(dtype)
     base.to(device)
-    if cfg.model.offload_checkpoints and device.type != "cuda":
-        raise ValueError("model.offload_checkpoints: expected a GPU run (it offloads to pinned host memory), got device cpu")
+    base.config.use_cache = False
+    policy = None
     if cfg.model.activation_checkpointing:
-        base.config.use_cache = False
-        if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x
-            base.activation_checkpointing_enable({"use_reentrant": False}, offload=cfg.model.offload_checkpoints)
-        elif cfg.model.offload_checkpoints:
-            raise ValueError("model.offload_checkpoints: needs transformers >= 5 (activation_checkpointing_enable)")
-        else:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy = checkpoint_layers(base, cfg.model.offload_layers)
+    elif cfg.model.offload_layers:
+        raise ValueError(f"model.offload_layers: expected 0 without activation checkpointing, got {cfg.model.offload_layers}")
     if cfg.model.tiled_mlp_chunk:
         _tile_mlps(base, cfg.model.tiled_mlp_chunk)
     lora = LoraConfig(r=cfg.model.lora_rank, lora_alpha=cfg.model.lora_alpha,
                       target_modules=[t.strip() for t in cfg.model.lora_targets.split(",") if t.strip()])
     model = get_peft_model(base, lora)
     model.train()
+    model.checkpoint_policy = policy
     return model
 
 
@@ -123,6 +125,14 @@ def _tile_mlps(model, chunk: int) -> None:
 # ---------------------------------------------------------------------- loss
 def _hidden(model, ids, positions, mask, ctx):
     base = model.get_base_model()
+    attention = base.config._attn_implementation
+    if attention == "sdpa":  # the dense baseline: an N x N boolean mask, as a user without FlashMask would build
+        return base.model(input_ids=ids, position_ids=positions, attention_mask=mask.to_dense()).last_hidden_state
+    if attention == "flex_attention":  # the FlexAttention baseline: a BlockMask made from the same mask
+        from fm_parallel.masks import to_block_mask
+
+        block = to_block_mask(mask, _compile=ids.device.type == "cuda")
+        return base.model(input_ids=ids, position_ids=positions, attention_mask=block).last_hidden_state
     return base.model(input_ids=ids, position_ids=positions, flashmask=mask, fm_context=ctx).last_hidden_state
 
 
@@ -263,8 +273,13 @@ def train(cfg: Config) -> dict:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.training.steps, initial=start, desc=f"{cfg.data.objective} {mode} x{cp} dp{dp}", unit="step")
+    policy = model.checkpoint_policy
     for step in range(start, cfg.training.steps):
         t0 = time.perf_counter()
+        if policy is not None:
+            policy.reset()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         rows: list[Row] = [next(stream) for _ in range(dp * accum)]
         rows_done += len(rows)
         mine = rows[dp_rank::dp]
@@ -287,9 +302,15 @@ def train(cfg: Config) -> dict:
         optim.step()
         optim.zero_grad(set_to_none=True)
         dist.all_reduce(local_loss)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - t0
         tokens = len(rows) * cfg.data.seq_len
         record = {"step": step, "loss": local_loss.item(), "tokens_per_s": tokens / elapsed, "lr": _lr(cfg, step), "step_s": elapsed}
+        if device.type == "cuda":
+            record["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if policy is not None and policy.host_bytes:
+            record["host_gib"] = policy.host_bytes / 2**30
         if rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -385,6 +406,8 @@ def _finish(cfg: Config, out_dir: Path, rank: int, metrics_path: Path) -> dict:
         "first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
         "tokens_per_s": sum(r["tokens_per_s"] for r in tail) / len(tail),
     }
+    if "peak_gib" in records[-1]:
+        summary["peak_gib"] = max(r.get("peak_gib", 0.0) for r in records)
     print(f"plot: {plot}")
     print(f"summary: {summary['tokens_per_s']:.0f} tokens/s, loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} "
           f"over {summary['steps']} steps ({cfg.data.objective}, cp={cfg.parallel.cp})")

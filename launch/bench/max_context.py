@@ -63,54 +63,75 @@ def search_longest(fits, start: int, maximum: int, granularity: int) -> tuple[in
     return good, tried
 
 
-def _model(shape: str, impl: str, device, dtype, args):
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _config(shape: str, impl: str, args):
+    from fm_parallel.trainer.config import Config
 
-    from fm_parallel.integrations import transformers as fm_hf
+    s, cfg = SHAPES[shape], Config()
+    m = cfg.model
+    m.hidden_size, m.layers, m.heads, m.kv_heads, m.intermediate_size = (
+        s["hidden_size"], s["layers"], s["heads"], s["kv_heads"], s["intermediate_size"])
+    m.attention = {"flashmask": "flashmask", "sdpa_dense": "sdpa", "flex": "flex"}[impl]
+    m.tiled_mlp_chunk = args.tiled_mlp
+    cfg.data.seq_len = args.max  # only sizes the rotary table
+    cfg.parallel.cp = "none"
+    cfg.training.loss_chunk = args.loss_chunk
+    return cfg
 
-    s = SHAPES[shape]
-    attn = {"flashmask": fm_hf.register(), "sdpa_dense": "sdpa", "flex": "flex_attention"}[impl]
-    cfg = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
-                      num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-                      max_position_embeddings=1 << 22, attn_implementation=attn, use_cache=False)
-    with torch.device(device):
-        base = LlamaForCausalLM(cfg).to(dtype)
-    if hasattr(base, "activation_checkpointing_enable"):
-        base.activation_checkpointing_enable({"use_reentrant": False}, offload=args.offload)
-    else:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if args.tiled_mlp:
-        from fm_parallel.trainer.loop import _tile_mlps
 
-        _tile_mlps(base, args.tiled_mlp)
-    model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-    model.train()
-    return model
+def _model(shape: str, impl: str, device, args):
+    """The trainer's own model build (random weights, LoRA r16 on q/k/v/o, per-layer checkpointing)."""
+    from fm_parallel.trainer.loop import _build_model
+
+    return _build_model(_config(shape, impl, args), SHAPES[shape]["vocab"], device)
+
+
+class OffloadPlanner:
+    """How many layers' checkpoints go to the host for a length ``n``: just enough for the step to fit.
+
+    From the last step that fit (length n0, k0 layers offloaded, peak p0 over the static memory s) the
+    memory that is not a device-held checkpoint is ``(p0 - s) - (L - k0) * n0 * h * b``, taken as linear
+    in n (the attention, the mask and the loss chunks are O(N); constants only make this conservative).
+    ``k`` is the fewest layers that bring the predicted peak under the device budget, capped by the
+    host budget."""
+
+    def __init__(self, layers: int, hidden: int, itemsize: int, device_budget: float, host_budget: float, fixed: int | None):
+        self.layers, self.row_bytes, self.fixed = layers, hidden * itemsize, fixed
+        self.device_budget, self.host_budget = device_budget, host_budget
+        self.last: tuple[int, int, float] | None = None  # (n, k, peak - static) of the last step that fit
+
+    def layers_for(self, n: int, static: float) -> int:
+        if self.fixed is not None:
+            return self.fixed if self.fixed >= 0 else self.layers
+        if self.last is None:
+            return 0
+        n0, k0, used0 = self.last
+        other_per_token = max(used0 - (self.layers - k0) * n0 * self.row_bytes, 0.0) / n0
+        room = self.device_budget - static - other_per_token * n
+        on_device = max(int(room // (n * self.row_bytes)), 0)
+        k = min(max(self.layers - on_device, 0), self.layers)
+        return min(k, int(self.host_budget // (n * self.row_bytes)))
+
+    def fitted(self, n: int, k: int, used: float) -> None:
+        if self.last is None or n >= self.last[0]:
+            self.last = (n, k, used)
 
 
 def _step(model, impl: str, n: int, device, args) -> float:
-    """One training step on a packed row of ``n`` tokens; returns its time in seconds."""
+    """One training step on a packed row of ``n`` tokens (documents of mean length 2048); its seconds."""
     import torch.nn.functional as F
 
     from fm_parallel import masks
-    from fm_parallel.trainer.loop import _chunked
+    from fm_parallel.trainer.loop import _chunked, _hidden
 
-    lens = masks.sample_lengths(n)
-    mask = masks.document(lens).to(device)
+    mask = masks.document(masks.sample_lengths(n)).to(device)
     vocab = model.get_base_model().config.vocab_size
     ids = torch.randint(0, vocab, (1, n), device=device)
     labels = torch.roll(ids, -1, 1)
-    kwargs = {"position_ids": torch.arange(n, device=device).view(1, n)}
-    if impl == "flashmask":
-        kwargs["flashmask"] = mask
-    elif impl == "sdpa_dense":
-        kwargs["attention_mask"] = mask.to_dense()  # [1, 1, n, n] bool: the N x N mask this baseline needs
-    else:
-        kwargs["attention_mask"] = masks.to_block_mask(mask, _compile=True)
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
-    hidden = model.get_base_model().model(input_ids=ids, **kwargs).last_hidden_state
+    hidden = _hidden(model, ids, torch.arange(n, device=device).view(1, n), mask, None)
     head = model.get_base_model().lm_head
     loss = _chunked(head, hidden, labels, args.loss_chunk,
                     lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")) / n
@@ -123,18 +144,51 @@ def _step(model, impl: str, n: int, device, args) -> float:
 
 
 def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower() or "allocate" in str(e).lower()
+    text = str(e).lower()
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in text or "cudaerrormemoryallocation" in text
 
 
-def run(shape: str, impl: str, device, dtype, args) -> dict:
+def _empty_host_cache() -> None:
+    """Give cached pinned host blocks back: blocks of one length's size would pile up across lengths."""
+    for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
+        fn = getattr(torch._C, name, None)
+        if fn is not None:
+            try:
+                fn()
+                return
+            except Exception:  # noqa: BLE001 - a signature differing across torch versions; try the next
+                continue
+
+
+class _TimeUp(Exception):
+    pass
+
+
+def run(shape: str, impl: str, device, args) -> dict:
+    import gc
+
     rows: list[dict] = []
-    model = _model(shape, impl, device, dtype, args)
+    model = _model(shape, impl, device, args)
+    policy = model.checkpoint_policy
+    s = SHAPES[shape]
+    cuda = device.type == "cuda"
+    total = torch.cuda.get_device_properties(device).total_memory if cuda else 0
+    planner = OffloadPlanner(s["layers"], s["hidden_size"], 2 if cuda else 4, args.device_fraction * total,
+                             args.host_gib * 2**30, None if args.offload == "auto" else int(args.offload))
+    began = time.perf_counter()
 
     def fits(n: int) -> bool:
-        if device.type == "cuda":
+        if time.perf_counter() - began > args.time_limit:
+            raise _TimeUp
+        static = 0.0
+        if cuda:
+            gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        row = {"model": shape, "impl": impl, "n": n}
+            static = torch.cuda.memory_allocated()
+        policy.offload_layers = planner.layers_for(n, static)
+        policy.reset()
+        row = {"model": shape, "impl": impl, "n": n, "offload_layers": policy.offload_layers}
         try:
             seconds = _step(model, impl, n, device, args)
             row.update(fits=True, step_s=seconds, tokens_per_s=n / seconds)
@@ -142,16 +196,54 @@ def run(shape: str, impl: str, device, dtype, args) -> dict:
             if not _is_oom(e):
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             row["fits"] = False
-        if device.type == "cuda":
+        row["host_gib"] = policy.host_bytes / 2**30
+        if cuda:
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            row["static_gib"] = static / 2**30
+            if row["fits"]:
+                planner.fitted(n, policy.offload_layers, torch.cuda.max_memory_allocated() - static)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        with open(args.out / "max_context.jsonl", "a") as f:  # survives a killed run
+            f.write(json.dumps(row) + "\n")
         model.zero_grad(set_to_none=True)
+        if cuda:
+            _empty_host_cache()
         return row["fits"]
 
-    longest, _ = search_longest(fits, args.start, args.max, args.granularity)
+    stopped = None
+    try:
+        longest, _ = search_longest(fits, args.start, args.max, args.granularity)
+    except _TimeUp:
+        stopped = f"time limit {args.time_limit:.0f} s"
+        longest = max([r["n"] for r in rows if r["fits"]], default=0)
     del model
-    return {"model": shape, "impl": impl, "longest": longest, "tried": rows}
+    return {"model": shape, "impl": impl, "longest": longest, "stopped": stopped, "tried": rows}
+
+
+def _plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, r in enumerate(results):
+        ok = [t for t in r["tried"] if t["fits"]]
+        bad = [t for t in r["tried"] if not t["fits"]]
+        label = f"{r['model']} {r['impl']}"
+        if ok and "peak_gib" in ok[0]:
+            a.plot([t["n"] for t in ok], [t["peak_gib"] for t in ok], "o-", color=f"C{i}", label=label)
+        a.plot([t["n"] for t in bad], [0.0] * len(bad), "x", color=f"C{i}", ms=9)
+        b.plot([t["n"] for t in ok], [t["tokens_per_s"] for t in ok], "o-", color=f"C{i}", label=label)
+    for ax, title in ((a, "peak GPU memory, GiB (x: did not fit)"), (b, "tokens / s of one LoRA step")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -164,21 +256,38 @@ def main() -> None:
     parser.add_argument("--granularity", type=int, default=16384)
     parser.add_argument("--loss-chunk", type=int, default=8192)
     parser.add_argument("--tiled-mlp", type=int, default=16384, help="MLP sequence chunk (0: off)")
-    parser.add_argument("--offload", action="store_true", help="offload checkpointed layer inputs to the host (GPU)")
+    parser.add_argument("--offload", default="auto",
+                        help="layers whose checkpoint lives on the host: auto (just enough to fit), -1 (all) or a count")
+    parser.add_argument("--device-fraction", type=float, default=0.94, help="device memory the offload planner aims under")
+    parser.add_argument("--host-gib", type=float, default=96.0, help="host memory the offloaded checkpoints may take")
+    parser.add_argument("--time-limit", type=float, default=1e9, help="seconds per (model, attention) search; stops early")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    results = [run(m, i, device, dtype, args) for m in args.models for i in args.impls]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "max_context.jsonl").unlink(missing_ok=True)
+    results = []
+    for m in args.models:
+        for i in args.impls:
+            results.append(run(m, i, device, args))
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "max_context.partial.json").write_text(json.dumps(results, indent=1))
     args.out.mkdir(parents=True, exist_ok=True)
     cmd = "python launch/bench/max_context.py " + " ".join(sys.argv[1:])
     (args.out / "max_context.json").write_text(json.dumps({"command": cmd, "results": results}, indent=1))
-    lines = ["| model | attention | longest step that fits | peak GiB there | tokens/s there |", "|---|---|---|---|---|"]
+    lines = ["| model | attention | longest step that fits | peak GiB there | host GiB there | layers offloaded | step s | tokens/s | lengths tried (fit / not) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         at = [t for t in r["tried"] if t["n"] == r["longest"] and t["fits"]]
-        peak = f"{at[0]['peak_gib']:.1f}" if at and "peak_gib" in at[0] else "-"
-        tps = f"{at[0]['tokens_per_s']:.0f}" if at else "-"
-        lines.append(f"| {r['model']} | {r['impl']} | {r['longest']} | {peak} | {tps} |")
+        t = at[0] if at else {}
+        peak = f"{t['peak_gib']:.1f}" if "peak_gib" in t else "-"
+        host = f"{t['host_gib']:.1f}" if t else "-"
+        tried = ", ".join(f"{x['n'] // 1024}k{'' if x['fits'] else ' x'}" for x in r["tried"])
+        longest = f"{r['longest']}" + (f" (search stopped: {r['stopped']})" if r["stopped"] else "")
+        lines.append(f"| {r['model']} | {r['impl']} | {longest} | {peak} | {host} | {t.get('offload_layers', '-')} | "
+                     f"{t['step_s']:.1f} | {t['tokens_per_s']:.0f} | {tried} |" if t else
+                     f"| {r['model']} | {r['impl']} | {longest} | - | - | - | - | - | {tried} |")
+    _plot(results, args.out / "max_context.png")
     md = "\n".join(lines)
     (args.out / "max_context.md").write_text(f"# Longest LoRA step\n\n`{cmd}`\n\n{md}\n")
     print(md)

@@ -1,0 +1,137 @@
+"""The trainer's throughput with FlashMask against the same run with SDPA + a dense mask and with FlexAttention.
+
+    python launch/bench/trainer_attention.py                                   # on the H200: 1B-class, 32k-128k
+    python launch/bench/trainer_attention.py --shape tiny --lengths 512 --attention flashmask sdpa --steps 2 \\
+        --out /tmp/bench                                                       # mechanics check on a CPU
+
+Each run is the real trainer (``fm_parallel.trainer.loop.train``): LoRA SFT on packed standard-library
+text (byte tokenizer), one row of ``seq_len`` tokens per step, no context parallelism, per-layer
+activation checkpointing, tiled MLP, chunked loss. Only the attention differs: ``model.attention``
+flashmask (our kernel, O(N) mask), sdpa (an N x N boolean mask, which is what SDPA needs for packed
+documents) or flex (a BlockMask built from the same mask). The first step (compilation, autotuning)
+is left out of the mean. Runs share one process, so a run that does not fit is reported and the
+next one goes on.
+
+Writes docs/benchmarks/trainer_h200.json, trainer_h200.md and trainer_h200.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {
+    "tiny": ["--model.hidden_size", "64", "--model.layers", "2", "--model.heads", "4", "--model.kv_heads", "2",
+             "--model.intermediate_size", "128"],
+    "1b": ["--model.hidden_size", "2048", "--model.layers", "16", "--model.heads", "32", "--model.kv_heads", "8",
+           "--model.intermediate_size", "8192"],
+}
+
+
+def one_run(shape: str, attention: str, n: int, args, work: Path) -> dict:
+    from fm_parallel.trainer.config import load_config
+    from fm_parallel.trainer.loop import train
+
+    out = work / f"{shape}_{attention}_{n}"
+    cfg = load_config(SHAPES[shape] + [
+        "--model.attention", attention, "--model.tiled_mlp_chunk", str(args.tiled_mlp), "--data.seq_len", str(n),
+        "--training.steps", str(args.steps), "--training.loss_chunk", str(args.loss_chunk), "--parallel.cp", "none",
+        "--output.dir", str(out), "--output.checkpoint_every", "0"], environ={})
+    row = {"shape": shape, "attention": attention, "seq_len": n}
+    t0 = time.perf_counter()
+    try:
+        train(cfg)
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        timed = records[1:] or records
+        row.update(fits=True, tokens_per_s=statistics.mean(r["tokens_per_s"] for r in timed),
+                   step_s=statistics.mean(r["step_s"] for r in timed), first_step_s=records[0]["step_s"],
+                   losses=[r["loss"] for r in records], peak_gib=max((r.get("peak_gib", 0.0) for r in records), default=0.0))
+    except Exception as e:  # noqa: BLE001 - a baseline that runs out of memory is a result, not a crash
+        text = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        row.update(fits=False, error=f"{type(e).__name__}: {text}")
+    row["wall_s"] = time.perf_counter() - t0
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def write(rows: list[dict], args) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    cmd = "python launch/bench/trainer_attention.py " + " ".join(sys.argv[1:])
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    (args.out / f"{args.name}.json").write_text(json.dumps({"command": cmd, "device": device, "rows": rows}, indent=1))
+    ours = {(r["shape"], r["seq_len"]): r for r in rows if r["attention"] == "flashmask" and r["fits"]}
+    lines = ["| model | seq_len | attention | tokens/s | step s | first step s | peak GiB | FlashMask speed-up |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if not r["fits"]:
+            lines.append(f"| {r['shape']} | {r['seq_len']} | {r['attention']} | did not run: {r['error'][:80]} | | | | |")
+            continue
+        ref = ours.get((r["shape"], r["seq_len"]))
+        speedup = f"{ref['tokens_per_s'] / r['tokens_per_s']:.2f}x" if ref and r["attention"] != "flashmask" else ""
+        lines.append(f"| {r['shape']} | {r['seq_len']} | {r['attention']} | {r['tokens_per_s']:.0f} | {r['step_s']:.2f} | "
+                     f"{r['first_step_s']:.1f} | {r['peak_gib']:.1f} | {speedup} |")
+    md = "\n".join(lines)
+    (args.out / f"{args.name}.md").write_text(f"# Trainer throughput by attention ({device})\n\n`{cmd}`\n\n{md}\n")
+    print(md)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, attention in enumerate(args.attention):
+        ok = [r for r in rows if r["attention"] == attention and r["fits"]]
+        ax.plot([r["seq_len"] for r in ok], [r["tokens_per_s"] for r in ok], "o-", color=f"C{i}", label=attention)
+        bad = [r["seq_len"] for r in rows if r["attention"] == attention and not r["fits"]]
+        ax.plot(bad, [0] * len(bad), "x", color=f"C{i}", ms=9)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per row")
+    ax.set_ylabel("training tokens / s")
+    ax.set_title(f"LoRA SFT, packed documents, {args.shape} ({device}); x: did not run")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / f"{args.name}.png", dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="1b", choices=list(SHAPES))
+    parser.add_argument("--lengths", nargs="+", type=int, default=[32768, 65536, 131072])
+    parser.add_argument("--attention", nargs="+", default=["flashmask", "flex", "sdpa"], choices=["flashmask", "flex", "sdpa"])
+    parser.add_argument("--sdpa-max", type=int, default=65536, help="longest row for the dense-mask baseline (its step is O(N^2))")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--loss-chunk", type=int, default=8192)
+    parser.add_argument("--tiled-mlp", type=int, default=16384)
+    parser.add_argument("--name", default="trainer_h200")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
+    args = parser.parse_args()
+    if args.steps < 2:
+        parser.error(f"--steps: expected at least 2 (the first step is not timed), got {args.steps}")
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for n in args.lengths:
+            for attention in args.attention:
+                if attention == "sdpa" and n > args.sdpa_max:
+                    continue
+                rows.append(one_run(args.shape, attention, n, args, Path(work)))
+                write(rows, args)
+
+
+if __name__ == "__main__":
+    main()
