@@ -59,7 +59,7 @@ def test_max_context_runs_a_real_step_on_the_cpu(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "launch" / "bench" / "max_context.py"), "--models", "tiny", "--impls", "flashmask",
          "sdpa_dense", "--device", "cpu", "--start", "256", "--max", "512", "--granularity", "128", "--loss-chunk", "128",
-         "--tiled-mlp", "128", "--out", str(tmp_path)],
+         "--tile-chunk", "128", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

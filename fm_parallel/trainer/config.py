@@ -37,7 +37,7 @@ class ModelConfig:
     activation_checkpointing: bool = True
     offload_layers: int = 0  # layers (from the first) whose checkpointed input lives in host memory; -1: all
     attention: str = "flashmask"  # flashmask | sdpa (dense N x N mask) | flex (BlockMask): the baselines need cp 1
-    tiled_mlp_chunk: int = 0  # run each MLP over sequence chunks of this many tokens (0: whole sequence)
+    tile_chunk: int = 0  # run each layer's per-token work (norms, projections, rotary, MLP) over chunks of this many tokens (0: off)
 
 
 @dataclass

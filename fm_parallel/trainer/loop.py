@@ -27,6 +27,7 @@ from fm_parallel.distributed.context import ContextParallel
 from fm_parallel.trainer.config import Config, load_config
 from fm_parallel.trainer.data import Row, dpo_rows, load_tokenizer, sft_rows
 from fm_parallel.trainer.memory import checkpoint_layers
+from fm_parallel.trainer.tiling import tile_decoder_layers
 
 __all__ = ["main", "train"]
 
@@ -89,37 +90,19 @@ def _build_model(cfg: Config, vocab_size: int, device):
             )).to(dtype)
     base.to(device)
     base.config.use_cache = False
+    if cfg.model.tile_chunk:
+        tile_decoder_layers(base, cfg.model.tile_chunk)  # before checkpointing: the checkpoint wraps the tiled layer
     policy = None
     if cfg.model.activation_checkpointing:
         policy = checkpoint_layers(base, cfg.model.offload_layers)
     elif cfg.model.offload_layers:
         raise ValueError(f"model.offload_layers: expected 0 without activation checkpointing, got {cfg.model.offload_layers}")
-    if cfg.model.tiled_mlp_chunk:
-        _tile_mlps(base, cfg.model.tiled_mlp_chunk)
     lora = LoraConfig(r=cfg.model.lora_rank, lora_alpha=cfg.model.lora_alpha,
                       target_modules=[t.strip() for t in cfg.model.lora_targets.split(",") if t.strip()])
     model = get_peft_model(base, lora)
     model.train()
     model.checkpoint_policy = policy
     return model
-
-
-def _tile_mlps(model, chunk: int) -> None:
-    """Run every decoder MLP over sequence chunks, each checkpointed, so its ``[N, intermediate]``
-    activations exist one chunk at a time (the MLP is per token, so the result is the same)."""
-    mlps = [m for name, m in model.named_modules() if name.endswith(".mlp")]
-    if not mlps:
-        raise ValueError("model.tiled_mlp_chunk: expected decoder layers with an `.mlp` module, found none")
-    for mlp in mlps:
-        forward = mlp.forward
-
-        def tiled(x, _forward=forward):
-            if x.shape[1] <= chunk:
-                return _forward(x)
-            return torch.cat([checkpoint(_forward, x[:, c : c + chunk], use_reentrant=False)
-                              for c in range(0, x.shape[1], chunk)], dim=1)
-
-        mlp.forward = tiled
 
 
 # ---------------------------------------------------------------------- loss

@@ -8,7 +8,7 @@ each attention implementation, the length doubles from --start while a step fits
 between the last length that fit and the first that did not (to --granularity tokens). A step is one
 forward + backward + AdamW step on one row of packed documents (mean length 2048) with the trainer's
 memory switches: per-layer activation checkpointing (inputs offloaded to the host with --offload),
-tiled MLP, chunked loss. Every length tried is reported with peak memory, step time and tokens/s.
+sequence-tiled per-token work, chunked loss. Every length tried is reported with peak memory, step time and tokens/s.
 
 Writes docs/benchmarks/max_context.json and max_context.md (and a plot).
 """
@@ -71,7 +71,7 @@ def _config(shape: str, impl: str, args):
     m.hidden_size, m.layers, m.heads, m.kv_heads, m.intermediate_size = (
         s["hidden_size"], s["layers"], s["heads"], s["kv_heads"], s["intermediate_size"])
     m.attention = {"flashmask": "flashmask", "sdpa_dense": "sdpa", "flex": "flex"}[impl]
-    m.tiled_mlp_chunk = args.tiled_mlp
+    m.tile_chunk = args.tile_chunk
     cfg.data.seq_len = args.max  # only sizes the rotary table
     cfg.parallel.cp = "none"
     cfg.training.loss_chunk = args.loss_chunk
@@ -255,7 +255,7 @@ def main() -> None:
     parser.add_argument("--max", type=int, default=1 << 21)
     parser.add_argument("--granularity", type=int, default=16384)
     parser.add_argument("--loss-chunk", type=int, default=8192)
-    parser.add_argument("--tiled-mlp", type=int, default=16384, help="MLP sequence chunk (0: off)")
+    parser.add_argument("--tile-chunk", type=int, default=16384, help="tokens per chunk of each layer's per-token work (0: off)")
     parser.add_argument("--offload", default="auto",
                         help="layers whose checkpoint lives on the host: auto (just enough to fit), -1 (all) or a count")
     parser.add_argument("--device-fraction", type=float, default=0.94, help="device memory the offload planner aims under")

@@ -6,7 +6,7 @@
 
 Each run is the real trainer (``fm_parallel.trainer.loop.train``): LoRA SFT on packed standard-library
 text (byte tokenizer), one row of ``seq_len`` tokens per step, no context parallelism, per-layer
-activation checkpointing, tiled MLP, chunked loss. Only the attention differs: ``model.attention``
+activation checkpointing, sequence-tiled layers, chunked loss. Only the attention differs: ``model.attention``
 flashmask (our kernel, O(N) mask), sdpa (an N x N boolean mask, which is what SDPA needs for packed
 documents) or flex (a BlockMask built from the same mask). The first step (compilation, autotuning)
 is left out of the mean. Runs share one process, so a run that does not fit is reported and the
@@ -45,7 +45,7 @@ def one_run(shape: str, attention: str, n: int, args, work: Path) -> dict:
 
     out = work / f"{shape}_{attention}_{n}"
     cfg = load_config(SHAPES[shape] + [
-        "--model.attention", attention, "--model.tiled_mlp_chunk", str(args.tiled_mlp), "--data.seq_len", str(n),
+        "--model.attention", attention, "--model.tile_chunk", str(args.tile_chunk), "--data.seq_len", str(n),
         "--training.steps", str(args.steps), "--training.loss_chunk", str(args.loss_chunk), "--parallel.cp", "none",
         "--output.dir", str(out), "--output.checkpoint_every", "0"], environ={})
     row = {"shape": shape, "attention": attention, "seq_len": n}
@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--sdpa-max", type=int, default=65536, help="longest row for the dense-mask baseline (its step is O(N^2))")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--loss-chunk", type=int, default=8192)
-    parser.add_argument("--tiled-mlp", type=int, default=16384)
+    parser.add_argument("--tile-chunk", type=int, default=16384)
     parser.add_argument("--name", default="trainer_h200")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
