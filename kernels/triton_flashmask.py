@@ -67,7 +67,12 @@ def _plan(mask: FlashMask, positions: torch.Tensor, cfg: KernelConfig, transpose
     return mask.cached(key, lambda: build_plans(mask, positions, cfg.block_m, cfg.block_n))[int(transposed)]
 
 
-def _meta(q, v, mask: FlashMask):
+def _span(t: torch.Tensor) -> int:
+    """One past the largest element offset of ``t`` (its storage extent for a strided view)."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0)
+
+
+def _meta(q, v, mask: FlashMask, *others: torch.Tensor):
     b, hq, nq, d = q.shape
     hkv, nk = v.shape[1], v.shape[2]
     return dict(
@@ -75,6 +80,9 @@ def _meta(q, v, mask: FlashMask):
         q_per_kv=hq // hkv, q_per_mask_head=hq // mask.heads,
         D=d, DV=v.shape[-1], BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(v.shape[-1]),
         M_INT=mask.max_intervals, UPCAST=_interpreting(),
+        # 64-bit offsets only where some tensor spans 2^31 elements (32 heads x 1M tokens x 128 does):
+        # the usual sizes keep the cheaper 32-bit address arithmetic.
+        WIDE=max(_span(t) for t in (q, v, *others)) > 2**31,
         # float32 inputs get full-precision dots (Triton's default would be TF32); halves ignore it.
         PREC="ieee" if q.dtype == torch.float32 else "tf32",
     )
@@ -106,7 +114,7 @@ def flashmask_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: floa
         mask.fms.stride(0), mask.fms.stride(1),
         num_q_blocks=plan.num_outer, qk_scale=scale * LOG2E,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_meta(q, v, mask),
+        **_meta(q, v, mask, k, out),
     )
     return out.to(q.dtype), lse
 
@@ -136,7 +144,7 @@ def bwd_kv(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offse
         mask.fms.stride(0), mask.fms.stride(1),
         Hkv=hkv, num_k_blocks=plan.num_outer, qk_scale=scale * LOG2E, scale=scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        ATOMIC_DQ=dq_acc is not None, **_meta(q, v, mask),
+        ATOMIC_DQ=dq_acc is not None, **_meta(q, v, mask, k, dout, dk, dv, *(() if dq_acc is None else (dq_acc,))),
     )
     return dk.to(k.dtype), dv.to(v.dtype)
 
@@ -153,7 +161,7 @@ def bwd_q(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset
         *dq.stride()[:3], mask.fms.stride(0), mask.fms.stride(1),
         num_q_blocks=plan.num_outer, qk_scale=scale * LOG2E, scale=scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_meta(q, v, mask),
+        **_meta(q, v, mask, k, dout, dq),
     )
     return dq.to(q.dtype)
 

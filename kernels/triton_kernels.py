@@ -39,9 +39,11 @@ def _visible(fm_s, fm_e, b_pos, offs_n, Nk, M_INT: tl.constexpr, KEYS_FIRST: tl.
 def _fwd_tile(
     acc, m_i, l_i, b_q, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn, qk_scale,
     offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr,
 ):
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    if WIDE:  # element offsets past 2^31 (see WIDE in the kernels)
+        offs_n = offs_n.to(tl.int64)
     in_n = offs_n < Nk
     b_kt = tl.load(p_k + offs_n[None, :] * stride_kn + offs_d[:, None], mask=in_n[None, :] & (offs_d[:, None] < D), other=0.0)
     b_v = tl.load(p_v + offs_n[:, None] * stride_vn + offs_dv[None, :], mask=in_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
@@ -71,9 +73,13 @@ def flashmask_fwd_kernel(
     Nq, Nk, Hq, Hm, Bm, num_q_blocks, q_per_kv, q_per_mask_head, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     pid_m = tl.load(ORDER + tl.program_id(0))  # busiest blocks first (plan.order)
     pid_bh = tl.program_id(1)
+    if WIDE:  # some tensor spans 2^31 elements or more (e.g. 32 heads x 1M tokens x 128): 64-bit offsets
+        pid_m = pid_m.to(tl.int64)
+        pid_bh = pid_bh.to(tl.int64)
     b = pid_bh // Hq
     h = pid_bh % Hq
     kvh = h // q_per_kv
@@ -106,7 +112,7 @@ def flashmask_fwd_kernel(
         kb1 = tl.load(FULL_RUNS + 2 * r + 1)
         for kb in range(kb0, kb1):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, b_q, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn,
-                                      qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, False, UPCAST, PREC)
+                                      qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, False, UPCAST, PREC, WIDE)
     r0 = tl.load(PART_OFF + row)
     r1 = tl.load(PART_OFF + row + 1)
     for r in range(r0, r1):
@@ -114,7 +120,7 @@ def flashmask_fwd_kernel(
         kb1 = tl.load(PART_RUNS + 2 * r + 1)
         for kb in range(kb0, kb1):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, b_q, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn,
-                                      qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, True, UPCAST, PREC)
+                                      qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, True, UPCAST, PREC, WIDE)
 
     seen = l_i > 0
     b_o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -129,11 +135,13 @@ def _bwd_kv_tile(
     b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, POS, fm_s, fm_e, qb, offs_n, Nq, Nk,
     stride_qn, stride_don, stride_dqn, qk_scale, scale, offs_d, offs_dv,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, M_INT: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr, WIDE: tl.constexpr,
 ):
     # Works on transposed tiles (keys x queries) so that no register tile needs a transpose:
     # only the loaded q block is read transposed.
     offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    if WIDE:
+        offs_m = offs_m.to(tl.int64)
     in_m = offs_m < Nq
     b_qt = tl.load(p_q + offs_m[None, :] * stride_qn + offs_d[:, None], mask=in_m[None, :] & (offs_d[:, None] < D), other=0.0)
     b_do = tl.load(p_do + offs_m[:, None] * stride_don + offs_dv[None, :], mask=in_m[:, None] & (offs_dv[None, :] < DV), other=0.0)
@@ -172,10 +180,14 @@ def flashmask_bwd_kv_kernel(
     Nq, Nk, Hq, Hkv, Hm, Bm, num_k_blocks, q_per_kv, q_per_mask_head, qk_scale, scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    WIDE: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
 ):
     pid_n = tl.load(ORDER + tl.program_id(0))  # busiest blocks first (plan.order)
     pid_bh = tl.program_id(1)
+    if WIDE:  # some tensor spans 2^31 elements or more (e.g. 32 heads x 1M tokens x 128): 64-bit offsets
+        pid_n = pid_n.to(tl.int64)
+        pid_bh = pid_bh.to(tl.int64)
     b = pid_bh // Hkv
     kvh = pid_bh % Hkv
     mb = b % Bm
@@ -212,7 +224,7 @@ def flashmask_bwd_kv_kernel(
             for qb in range(qb0, qb1):
                 b_dk, b_dv = _bwd_kv_tile(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, POS, fm_s, fm_e, qb,
                                           offs_n, Nq, Nk, stride_qn, stride_don, stride_dqn, qk_scale, scale,
-                                          offs_d, offs_dv, D, DV, BLOCK_M, M_INT, False, UPCAST, PREC, ATOMIC_DQ)
+                                          offs_d, offs_dv, D, DV, BLOCK_M, M_INT, False, UPCAST, PREC, ATOMIC_DQ, WIDE)
         r0 = tl.load(PART_OFF + row)
         r1 = tl.load(PART_OFF + row + 1)
         for r in range(r0, r1):
@@ -221,7 +233,7 @@ def flashmask_bwd_kv_kernel(
             for qb in range(qb0, qb1):
                 b_dk, b_dv = _bwd_kv_tile(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, POS, fm_s, fm_e, qb,
                                           offs_n, Nq, Nk, stride_qn, stride_don, stride_dqn, qk_scale, scale,
-                                          offs_d, offs_dv, D, DV, BLOCK_M, M_INT, True, UPCAST, PREC, ATOMIC_DQ)
+                                          offs_d, offs_dv, D, DV, BLOCK_M, M_INT, True, UPCAST, PREC, ATOMIC_DQ, WIDE)
     tl.store(DK + b * stride_dkb + kvh * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
              (b_dk * scale).to(DK.dtype.element_ty), mask=in_n[:, None] & (offs_d[None, :] < D))
     tl.store(DV_OUT + b * stride_dvb + kvh * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :],
@@ -232,9 +244,11 @@ def flashmask_bwd_kv_kernel(
 def _bwd_q_tile(
     b_dq, b_q, b_do, b_lse, b_delta, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn, qk_scale,
     offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr,
 ):
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    if WIDE:  # element offsets past 2^31 (see WIDE in the kernels)
+        offs_n = offs_n.to(tl.int64)
     in_n = offs_n < Nk
     b_k = tl.load(p_k + offs_n[:, None] * stride_kn + offs_d[None, :], mask=in_n[:, None] & (offs_d[None, :] < D), other=0.0)
     b_v = tl.load(p_v + offs_n[:, None] * stride_vn + offs_dv[None, :], mask=in_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
@@ -261,9 +275,13 @@ def flashmask_bwd_q_kernel(
     Nq, Nk, Hq, Hm, Bm, num_q_blocks, q_per_kv, q_per_mask_head, qk_scale, scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     pid_m = tl.load(ORDER + tl.program_id(0))  # busiest blocks first (plan.order)
     pid_bh = tl.program_id(1)
+    if WIDE:  # some tensor spans 2^31 elements or more (e.g. 32 heads x 1M tokens x 128): 64-bit offsets
+        pid_m = pid_m.to(tl.int64)
+        pid_bh = pid_bh.to(tl.int64)
     b = pid_bh // Hq
     h = pid_bh % Hq
     kvh = h // q_per_kv
@@ -297,7 +315,7 @@ def flashmask_bwd_q_kernel(
         kb1 = tl.load(FULL_RUNS + 2 * r + 1)
         for kb in range(kb0, kb1):
             b_dq = _bwd_q_tile(b_dq, b_q, b_do, b_lse, b_delta, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn,
-                               qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, False, UPCAST, PREC)
+                               qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, False, UPCAST, PREC, WIDE)
     r0 = tl.load(PART_OFF + row)
     r1 = tl.load(PART_OFF + row + 1)
     for r in range(r0, r1):
@@ -305,6 +323,6 @@ def flashmask_bwd_q_kernel(
         kb1 = tl.load(PART_RUNS + 2 * r + 1)
         for kb in range(kb0, kb1):
             b_dq = _bwd_q_tile(b_dq, b_q, b_do, b_lse, b_delta, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn,
-                               qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, True, UPCAST, PREC)
+                               qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, True, UPCAST, PREC, WIDE)
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :],
              (b_dq * scale).to(DQ.dtype.element_ty), mask=in_m[:, None] & (offs_d[None, :] < D))

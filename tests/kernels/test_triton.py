@@ -168,3 +168,29 @@ def test_atomic_dq_backward_matches_the_reference(hq, hkv, hm):
     m = FlashMask(fms, fme, 70)
     q, k, v = on_device(*qkv(1, hq, hkv, 70, 16, torch.float32, seed=3))
     assert_matches_reference(run(q, k, v, m, deterministic=False), q, k, v, m.to(DEVICE))
+
+
+def test_64_bit_offsets_are_chosen_past_2_to_the_31_elements():
+    from fm_parallel.kernels import triton_flashmask as tf
+
+    m = masks.causal(1 << 20)
+    small = torch.empty(1, 16, 1 << 20, 128, device="meta")  # 2^31 elements: offsets up to 2^31 - 1 still fit
+    big = torch.empty(1, 32, 1 << 20, 128, device="meta")
+    assert tf._meta(small, small, m)["WIDE"] is False
+    assert tf._meta(small, small, m, big)["WIDE"] is True
+    # A [B, N, H, D] tensor seen as [B, H, N, D]: the span, not the shape, decides.
+    seq_major = torch.empty(1, 1 << 20, 32, 128, device="meta").transpose(1, 2)
+    assert tf._meta(seq_major, seq_major, m)["WIDE"] is True
+
+
+def test_64_bit_offset_path_matches_the_reference(monkeypatch):
+    """The WIDE variant (forced on small shapes) computes exactly what the 32-bit one does."""
+    from fm_parallel.kernels import triton_flashmask as tf
+
+    meta = tf._meta
+    monkeypatch.setattr(tf, "_meta", lambda *a: {**meta(*a), "WIDE": True})
+    fms, fme, _ = random_intervals(1, 2, 70, 70, 2, seed=5)
+    m = FlashMask(fms, fme, 70)
+    q, k, v = on_device(*qkv(1, 4, 2, 70, 16, torch.float32, seed=4))
+    for deterministic in (True, False):
+        assert_matches_reference(run(q, k, v, m, deterministic=deterministic), q, k, v, m.to(DEVICE))
