@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -66,3 +68,32 @@ def test_max_context_runs_a_real_step_on_the_cpu(tmp_path):
     data = json.loads((tmp_path / "max_context.json").read_text())
     assert [r["longest"] for r in data["results"]] == [512, 512]
     assert all(t["fits"] and "error" not in t for r in data["results"] for t in r["tried"])
+
+
+def test_max_context_merges_earlier_runs(tmp_path):
+    rows = [{"model": "1b", "impl": "flashmask", "n": 1024, "fits": True, "step_s": 1.0, "tokens_per_s": 1024.0, "host_gib": 0.0,
+             "offload_layers": 0, "peak_gib": 3.0},
+            {"model": "1b", "impl": "flashmask", "n": 2048, "fits": False, "host_gib": 0.0, "offload_layers": 0, "peak_gib": 9.0}]
+    dense = [{**rows[0], "impl": "sdpa_dense"}]
+    for name, part in (("a.jsonl", rows), ("b.jsonl", dense)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in part))
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "max_context.py"), "--merge", str(tmp_path / "a.jsonl"),
+                           str(tmp_path / "b.jsonl"), "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((tmp_path / "max_context.json").read_text())
+    assert [(r["impl"], r["longest"], len(r["tried"])) for r in data["results"]] == [("flashmask", 1024, 2), ("sdpa_dense", 1024, 1)]
+    assert "| 1b | flashmask | 1024 | 3.0 |" in (tmp_path / "max_context.md").read_text()
+    assert (tmp_path / "max_context.png").exists()
+
+
+def test_trainer_attention_benchmark_runs_on_the_cpu(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "bench" / "trainer_attention.py"), "--shape", "tiny", "--lengths", "512",
+         "--attention", "flashmask", "sdpa", "--steps", "2", "--tile-chunk", "128", "--loss-chunk", "128", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "trainer_h200.json").read_text())["rows"]
+    assert [(r["attention"], r["fits"]) for r in rows] == [("flashmask", True), ("sdpa", True)]
+    # The same training run, attention computed two ways: the same losses.
+    assert rows[0]["losses"] == pytest.approx(rows[1]["losses"], rel=1e-4)

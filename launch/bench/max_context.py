@@ -246,6 +246,41 @@ def _plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _report(results: list[dict], out: Path, cmd: str) -> None:
+    (out / "max_context.json").write_text(json.dumps({"command": cmd, "results": results}, indent=1))
+    lines = ["| model | attention | longest step that fits | peak GiB there | host GiB there | layers offloaded | step s | tokens/s | lengths tried (x: did not fit) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        at = [t for t in r["tried"] if t["n"] == r["longest"] and t["fits"]]
+        t = at[0] if at else {}
+        peak = f"{t['peak_gib']:.1f}" if "peak_gib" in t else "-"
+        host = f"{t['host_gib']:.1f}" if t else "-"
+        tried = ", ".join(f"{x['n'] // 1024}k{'' if x['fits'] else ' x'}" for x in r["tried"])
+        longest = f"{r['longest']}" + (f" (search stopped: {r['stopped']})" if r.get("stopped") else "")
+        lines.append(f"| {r['model']} | {r['impl']} | {longest} | {peak} | {host} | {t.get('offload_layers', '-')} | "
+                     f"{t['step_s']:.1f} | {t['tokens_per_s']:.0f} | {tried} |" if t else
+                     f"| {r['model']} | {r['impl']} | {longest} | - | - | - | - | - | {tried} |")
+    _plot(results, out / "max_context.png")
+    md = "\n".join(lines)
+    (out / "max_context.md").write_text(f"# Longest LoRA step\n\n`{cmd}`\n\n{md}\n")
+    print(md)
+
+
+def merge(paths: list[Path], out: Path, cmd: str) -> None:
+    """One table and plot from the per-length rows (``max_context.jsonl``) of several runs, grouped by
+    model and attention; a group whose search was cut short says so in its ``stopped`` field when the
+    run wrote one, else the lengths tried show where it ended."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                groups.setdefault((row["model"], row["impl"]), []).append(row)
+    results = [{"model": m, "impl": i, "longest": max([r["n"] for r in rows if r["fits"]], default=0), "stopped": None,
+                "tried": rows} for (m, i), rows in groups.items()]
+    _report(results, out, cmd)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["1b", "8b"], choices=list(SHAPES))
@@ -262,7 +297,13 @@ def main() -> None:
     parser.add_argument("--host-gib", type=float, default=96.0, help="host memory the offloaded checkpoints may take")
     parser.add_argument("--time-limit", type=float, default=1e9, help="seconds per (model, attention) search; stops early")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
+    parser.add_argument("--merge", nargs="+", type=Path, default=None,
+                        help="no run: combine the max_context.jsonl rows of earlier runs into one table and plot")
     args = parser.parse_args()
+    cmd = "python launch/bench/max_context.py " + " ".join(sys.argv[1:])
+    if args.merge:
+        merge(args.merge, args.out, cmd)
+        return
     device = torch.device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "max_context.jsonl").unlink(missing_ok=True)
@@ -272,25 +313,7 @@ def main() -> None:
             results.append(run(m, i, device, args))
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "max_context.partial.json").write_text(json.dumps(results, indent=1))
-    args.out.mkdir(parents=True, exist_ok=True)
-    cmd = "python launch/bench/max_context.py " + " ".join(sys.argv[1:])
-    (args.out / "max_context.json").write_text(json.dumps({"command": cmd, "results": results}, indent=1))
-    lines = ["| model | attention | longest step that fits | peak GiB there | host GiB there | layers offloaded | step s | tokens/s | lengths tried (fit / not) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        at = [t for t in r["tried"] if t["n"] == r["longest"] and t["fits"]]
-        t = at[0] if at else {}
-        peak = f"{t['peak_gib']:.1f}" if "peak_gib" in t else "-"
-        host = f"{t['host_gib']:.1f}" if t else "-"
-        tried = ", ".join(f"{x['n'] // 1024}k{'' if x['fits'] else ' x'}" for x in r["tried"])
-        longest = f"{r['longest']}" + (f" (search stopped: {r['stopped']})" if r["stopped"] else "")
-        lines.append(f"| {r['model']} | {r['impl']} | {longest} | {peak} | {host} | {t.get('offload_layers', '-')} | "
-                     f"{t['step_s']:.1f} | {t['tokens_per_s']:.0f} | {tried} |" if t else
-                     f"| {r['model']} | {r['impl']} | {longest} | - | - | - | - | - | {tried} |")
-    _plot(results, args.out / "max_context.png")
-    md = "\n".join(lines)
-    (args.out / "max_context.md").write_text(f"# Longest LoRA step\n\n`{cmd}`\n\n{md}\n")
-    print(md)
+    _report(results, args.out, cmd)
 
 
 if __name__ == "__main__":
