@@ -4,12 +4,13 @@ holds a few ``N x hidden`` tensors instead of dozens.
 A Llama-family decoder layer is per-token everywhere except inside attention: RMSNorm, the q/k/v
 projections (with their LoRA adapters), the rotary embedding, the output projection, the residuals
 and the MLP all act on each token alone. Run as written, their intermediates are saved for the
-backward for the whole sequence at once (RMSNorm alone keeps two float32 copies of its input);
-measured on the H200 for an 8B-shaped Llama, about 200 KiB per token, 100 GiB at 512k tokens. Tiled,
-each of the two per-token blocks runs over chunks of ``chunk`` tokens under non-reentrant
-checkpointing, so what a layer keeps is its input, q / k / v, the attention output and the
-mid-layer residual: about 40 KiB per token. The result is the same computation (tested bit-for-bit
-against the untiled layer on the CPU).
+backward for the whole sequence at once (RMSNorm alone keeps two float32 copies of its input).
+Tiled, each of the two per-token blocks runs over chunks of ``chunk`` tokens under non-reentrant
+checkpointing, so what a layer keeps is its input, q / k / v and the attention output. Measured: the
+tensors saved per token and layer drop from 29 to 5.5 hidden-sized values (bf16, CPU probe in
+tests/trainer/test_memory.py); an 8B-shaped Llama's non-checkpoint memory at the step's peak on the
+H200 drops from 213 to 105 KiB per token, which is what made a 512k-token step fit (docs/long-context.md).
+The result is the same computation (losses equal to the untiled layer's, tested on the CPU).
 
     prologue(x) = rope(q_proj(norm1(x))), rope(k_proj(norm1(x))), v_proj(norm1(x))     per chunk
     o           = attention(q, k, v, mask)                                           whole sequence
@@ -82,9 +83,23 @@ def _tiled_forward(layer, chunk: int, original):
     return forward
 
 
+def _tile_per_token(module: torch.nn.Module, chunk: int) -> None:
+    """Run a per-token module (the final norm) over checkpointed sequence chunks: it then saves its
+    input chunks (views) for the backward instead of its float32 intermediates for the whole sequence."""
+    forward = module.forward
+
+    def tiled(x):
+        if x.shape[1] <= chunk or not torch.is_grad_enabled():
+            return forward(x)
+        return torch.cat([checkpoint(forward, x[:, c : c + chunk], use_reentrant=False) for c in range(0, x.shape[1], chunk)], dim=1)
+
+    module.forward = tiled
+
+
 def tile_decoder_layers(model, chunk: int) -> int:
-    """Replace each decoder layer's forward by the tiled one (chunks of ``chunk`` tokens). Returns the
-    number of layers tiled; a layer that is not Llama-shaped raises ``ValueError`` naming what is missing."""
+    """Replace each decoder layer's forward by the tiled one (chunks of ``chunk`` tokens), and tile the
+    final norm. Returns the number of layers tiled; a layer that is not Llama-shaped raises
+    ``ValueError`` naming what is missing."""
     if chunk <= 0:
         raise ValueError(f"chunk: expected a positive number of tokens, got {chunk}")
     layers = decoder_layers(model)
@@ -95,4 +110,8 @@ def tile_decoder_layers(model, chunk: int) -> int:
             raise ValueError(f"model.tile_chunk: expected Llama-shaped decoder layers, layer {i} "
                              f"({type(layer).__name__}) has no {', '.join(missing)}; set model.tile_chunk = 0")
         layer.forward = _tiled_forward(layer, chunk, layer.forward)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    norm = getattr(getattr(base, "model", base), "norm", None)
+    if isinstance(norm, torch.nn.Module):
+        _tile_per_token(norm, chunk)
     return len(layers)

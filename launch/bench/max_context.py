@@ -229,7 +229,7 @@ def _plot(results: list[dict], path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for i, r in enumerate(results):
-        ok = [t for t in r["tried"] if t["fits"]]
+        ok = sorted((t for t in r["tried"] if t["fits"]), key=lambda t: t["n"])
         bad = [t for t in r["tried"] if not t["fits"]]
         label = f"{r['model']} {r['impl']}"
         if ok and "peak_gib" in ok[0]:
