@@ -146,3 +146,21 @@ def test_tiled_layers_save_a_few_hidden_sized_tensors_per_token():
     # copies, the rotary and MLP intermediates make it 29 x hidden.
     assert tiled <= 5.75 * hidden_bf16, tiled / hidden_bf16
     assert plain >= 4 * tiled, (plain / hidden_bf16, tiled / hidden_bf16)
+
+
+def test_tiling_and_offload_name_what_a_model_lacks():
+    from fm_parallel.trainer.memory import checkpoint_layers
+    from fm_parallel.trainer.tiling import tile_decoder_layers
+
+    class Odd(torch.nn.Module):
+        def __init__(self, layers):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.layers = torch.nn.ModuleList(layers)
+
+    with pytest.raises(ValueError, match=r"layer 0 \(Linear\) has no input_layernorm, post_attention_layernorm, mlp, self_attn"):
+        tile_decoder_layers(Odd([torch.nn.Linear(2, 2)]), 128)
+    with pytest.raises(ValueError, match="chunk: expected a positive number of tokens, got 0"):
+        tile_decoder_layers(Odd([torch.nn.Linear(2, 2)]), 0)
+    with pytest.raises(ValueError, match=r"model: expected a decoder with `.model.layers`, got Odd"):
+        checkpoint_layers(Odd([]))
