@@ -1,0 +1,83 @@
+"""FA4 block-sparsity lists from a FlashMask, checked tile by tile against the dense picture."""
+
+import pytest
+import torch
+
+from fm_parallel import FlashMask, masks
+from fm_parallel.kernels.fa4_sparsity import fa4_block_sparsity
+from fm_parallel.masks import TileClass
+from tests.masks.test_blocks import truth
+from tests.masks.test_flashmask import random_intervals
+from tests.test_reference import mask_families
+
+N = 77  # ragged against every tile size below
+FAMILIES = mask_families(N)
+
+
+def expected(mask: FlashMask, positions: torch.Tensor, bq: int, bk: int) -> torch.Tensor:
+    """``[Bm, Hm, T_q, T_k]`` classes by brute force; a ragged last key block is never FULL (its
+    missing columns must be masked), as in the Triton plans."""
+    dense = mask.to_dense()
+    out = torch.stack([torch.stack([truth(dense[b, h], positions, bq, bk) for h in range(mask.heads)])
+                       for b in range(mask.batch)])
+    if mask.num_keys % bk:
+        last = out[..., -1]
+        out[..., -1] = torch.where(last == TileClass.FULL, torch.full_like(last, int(TileClass.PARTIAL)), last)
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("bq,bk", [(16, 8), (8, 32), (128, 128)])
+def test_every_family_every_tile(family, bq, bk):
+    m = FAMILIES[family]
+    fwd, bwd = fa4_block_sparsity(m, bq, bk)
+    want = expected(m, torch.arange(m.num_rows), bq, bk)
+    assert fwd.full_block_cnt.shape == want.shape[:3] and fwd.full_block_idx.shape == want.shape
+    assert fwd.full_block_cnt.dtype == torch.int32 and fwd.mask_block_idx.dtype == torch.int32
+    assert torch.equal(fwd.classes(), want)
+    assert torch.equal(bwd.classes(), want.transpose(-1, -2))
+    # Ascending indices, zero past the count: the layout FA4 reads.
+    for cnt, idx in ((fwd.full_block_cnt, fwd.full_block_idx), (bwd.mask_block_cnt, bwd.mask_block_idx)):
+        valid = torch.arange(idx.shape[-1]) < cnt.unsqueeze(-1)
+        assert (idx[~valid] == 0).all()
+        steps = idx[..., 1:] - idx[..., :-1]
+        assert (steps[valid[..., 1:]] > 0).all()
+
+
+def test_query_slice_multi_interval_and_batch_rows():
+    i, j = torch.arange(90).view(-1, 1), torch.arange(90).view(1, -1)
+    band_and_late_rows = ((i >= j) & (i - j < 10)) | ((i >= 60) & (j < 50))  # two row intervals per early column
+    m = masks.stack([masks.from_dense(band_and_late_rows), masks.document([40, 50])])
+    assert m.batch == 2 and m.max_intervals >= 2
+    positions = torch.arange(23, 71)  # a ring chunk: rows 23..70 of the global mask
+    fwd, bwd = fa4_block_sparsity(m, 8, 8, positions=positions)
+    want = expected(m, positions, 8, 8)
+    assert torch.equal(fwd.classes(), want)
+    assert torch.equal(bwd.classes(), want.transpose(-1, -2))
+    kinds = set(want.unique().tolist())
+    assert kinds == {int(TileClass.SKIP), int(TileClass.PARTIAL), int(TileClass.FULL)}, kinds
+
+
+def test_mask_heads_per_kv_head_are_repeated_to_the_query_heads():
+    fms, fme, _ = random_intervals(1, 2, 64, 64, 2, seed=3)
+    m = FlashMask(fms, fme, 64)
+    fwd, _ = fa4_block_sparsity(m, 16, 16, num_heads=6)
+    classes = fwd.classes()
+    assert classes.shape[1] == 6
+    one, _ = fa4_block_sparsity(m, 16, 16)
+    assert torch.equal(classes, one.classes().repeat_interleave(3, dim=1))
+    with pytest.raises(ValueError, match="num_heads: expected a multiple of the mask's 2 heads, got 5"):
+        fa4_block_sparsity(m, 16, 16, num_heads=5)
+    with pytest.raises(ValueError, match="block_q, block_k: expected positive tile sizes, got 0, 16"):
+        fa4_block_sparsity(m, 0, 16)
+
+
+def test_handing_over_to_fa4_needs_the_cute_extra():
+    try:
+        import flash_attn.cute  # noqa: F401
+    except ImportError:
+        fwd, _ = fa4_block_sparsity(masks.causal(64), 16, 16)
+        with pytest.raises(ImportError, match="needs flash-attn-4"):
+            fwd.to_fa4()
+    else:
+        pytest.skip("flash-attn-4 is installed here: the hand-over is checked by the GPU script instead")
