@@ -102,6 +102,10 @@ def tile_decoder_layers(model, chunk: int) -> int:
     ``ValueError`` naming what is missing."""
     if chunk <= 0:
         raise ValueError(f"chunk: expected a positive number of tokens, got {chunk}")
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:  # older decoder layers return tuples, not the hidden state
+        raise ValueError(f"model.tile_chunk: expected transformers >= 5, got {transformers.__version__}; set model.tile_chunk = 0")
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         missing = [a for a in _NEEDED if not hasattr(layer, a)]
