@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from fm_parallel.kernels.plan import BlockSparsePlan, build_plan, build_plans
+from fm_parallel.kernels.plan import BlockSparsePlan, build_plan, build_plans_consecutive
 from fm_parallel.kernels.triton_kernels import (
     LOG2E,
     flashmask_bwd_kv_kernel,
@@ -63,8 +63,10 @@ def _plan(mask: FlashMask, positions: torch.Tensor, cfg: KernelConfig, transpose
     cached together, so the forward, dK/dV and dQ passes classify once per mask and block shape."""
     if q_offset is None:  # arbitrary positions: no cheap key to cache on
         return build_plan(mask, positions, cfg.block_m, cfg.block_n, transposed)
+    # Consecutive rows: the range-based builder, O(N / block) instead of classifying every tile.
     key = ("triton_plans", cfg.block_m, cfg.block_n, q_offset, positions.numel())
-    return mask.cached(key, lambda: build_plans(mask, positions, cfg.block_m, cfg.block_n))[int(transposed)]
+    make = lambda: build_plans_consecutive(mask, q_offset, positions.numel(), cfg.block_m, cfg.block_n)  # noqa: E731
+    return mask.cached(key, make)[int(transposed)]
 
 
 def _span(t: torch.Tensor) -> int:

@@ -1,6 +1,6 @@
 """FlashMask masks: the type, builders, combinators, converters and the block summary / tile rule."""
 
-from fm_parallel.masks.blocks import BlockSummary, TileClass, classify_tiles, count_tiles, row_block_bounds, summarize
+from fm_parallel.masks.blocks import BlockSummary, TileClass, classify_tiles, count_tiles, row_block_bounds, summarize, tile_ranges
 from fm_parallel.masks.builders import (
     causal,
     document,
@@ -20,6 +20,7 @@ from fm_parallel.masks.flashmask import MAX_INTERVALS, FlashMask, MaskStats
 from fm_parallel.masks.intervals import MaskNotExpressible
 
 __all__ = [
+    "tile_ranges",
     "FlashMask", "MaskStats", "MaskNotExpressible", "MAX_INTERVALS",
     "causal", "full", "document", "sample_lengths", "prefix_lm", "dpo", "preference", "sliding_window",
     "union", "intersect", "stack", "from_dense",

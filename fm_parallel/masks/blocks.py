@@ -25,7 +25,7 @@ import torch
 
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["TileClass", "BlockSummary", "summarize", "classify_tiles", "row_block_bounds", "count_tiles"]
+__all__ = ["tile_ranges", "TileClass", "BlockSummary", "summarize", "classify_tiles", "row_block_bounds", "count_tiles"]
 
 
 class TileClass(IntEnum):
@@ -94,6 +94,40 @@ def classify_tiles(summary: BlockSummary, row_lo: torch.Tensor, row_hi: torch.Te
     covers = (max_fms <= lo) & (min_fme >= hi)
     cls = reaches.any(-1).to(torch.int8)  # PARTIAL where reached, SKIP elsewhere
     return torch.where(covers.any(-1), torch.full_like(cls, int(TileClass.FULL)), cls)
+
+
+def tile_ranges(summary: BlockSummary, offset: int, num_rows: int, block: int) -> tuple[torch.Tensor, ...]:
+    """The tile rule solved for the query block, when query block ``t`` holds the consecutive rows
+    ``offset + t * block ..`` (a whole mask, a ring chunk): per key block and interval slot, the query
+    blocks that the slot *reaches* and that it *covers* are each one contiguous range, because a
+    block's first and last rows grow with ``t``. Same comparisons as :func:`classify_tiles`:
+    ``reaches = min_fms <= hi and max_fme >= lo``, ``covers = max_fms <= lo and min_fme >= hi``.
+
+    Returns ``(reach_first, reach_last, cover_first, cover_last)``, each ``[B, Hm, Tc, M]`` int64,
+    inclusive query-block indices (first > last: empty). A tile is FULL when some slot covers it,
+    PARTIAL when some slot reaches it and none covers it, else SKIP. O(N / block) work and memory.
+    """
+    tq = -(-num_rows // block)
+    last_row = offset + num_rows - 1
+    fms_lo, fms_hi = summary.min_fms.to(torch.int64), summary.max_fms.to(torch.int64)
+    fme_lo, fme_hi = summary.min_fme.to(torch.int64), summary.max_fme.to(torch.int64)
+
+    def first_with_hi_at_least(x):  # smallest t with hi(t) = min(offset + t*block + block-1, last_row) >= x
+        t = torch.div(x - offset - (block - 1) + block - 1, block, rounding_mode="floor").clamp(min=0)
+        return torch.where(x > last_row, torch.full_like(t, tq), t)
+
+    def last_with_lo_at_most(y):  # largest t with lo(t) = offset + t*block <= y
+        return torch.div(y - offset, block, rounding_mode="floor").clamp(max=tq - 1)
+
+    def first_with_lo_at_least(x):  # smallest t with lo(t) >= x
+        return torch.div(x - offset + block - 1, block, rounding_mode="floor").clamp(min=0)
+
+    def last_with_hi_at_most(z):  # largest t with hi(t) <= z
+        t = torch.div(z - offset - (block - 1), block, rounding_mode="floor").clamp(max=tq - 1)
+        return torch.where(z >= last_row, torch.full_like(t, tq - 1), t)
+
+    return (first_with_hi_at_least(fms_lo), last_with_lo_at_most(fme_hi),
+            first_with_lo_at_least(fms_hi), last_with_hi_at_most(fme_lo))
 
 
 def row_block_bounds(positions: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
