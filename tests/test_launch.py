@@ -97,3 +97,11 @@ def test_trainer_attention_benchmark_runs_on_the_cpu(tmp_path):
     assert [(r["attention"], r["fits"]) for r in rows] == [("flashmask", True), ("sdpa", True)]
     # The same training run, attention computed two ways: the same losses.
     assert rows[0]["losses"] == pytest.approx(rows[1]["losses"], rel=1e-4)
+
+
+def test_plan_prep_benchmark_runs_on_the_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "plan_prep.py"), "--device", "cpu", "--ns", "4096", "8192",
+                           "--repeat", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "plan_prep_cpu.json").read_text())["rows"]
+    assert [r["n"] for r in rows] == [4096, 8192] and all(r["plans_ms"] > 0 and "plans_dense_ms" in r for r in rows)

@@ -1,0 +1,89 @@
+"""Mask preparation time: the FlashMask builder and the Triton launch plans, range-based against dense-grid.
+
+    python launch/bench/plan_prep.py                      # CUDA if present, else CPU; N = 64k .. 1M
+    python launch/bench/plan_prep.py --device cpu --ns 131072 524288
+
+Packed documents (mean length 2048, masks.sample_lengths), plans for the three passes' block shapes
+(both orientations each, as the launchers build them), from the bounds: the mask's cached block
+summaries are dropped before every run. The dense-grid builder is timed only up to
+--dense-max (it is O((N / 64)^2)). Each figure is the median of --repeat runs after one warm-up.
+Writes docs/benchmarks/plan_prep_<device>.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def timed(fn, device, repeat: int) -> float:
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def fresh(mask) -> bool:
+    """Forget what the mask cached (block summaries, plans): every timed run starts from the bounds."""
+    mask._cache.clear()
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ns", type=int, nargs="+", default=[65536, 131072, 262144, 524288, 1048576])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dense-max", type=int, default=262144)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
+    args = parser.parse_args()
+
+    from fm_parallel import masks
+    from fm_parallel.kernels.plan import build_plans, build_plans_consecutive
+    from fm_parallel.kernels.triton_flashmask import config_for
+
+    device = torch.device(args.device)
+    shapes = sorted({(config_for(kind, 128).block_m, config_for(kind, 128).block_n) for kind in ("fwd", "bwd_kv", "bwd_q")})
+    rows = []
+    for n in args.ns:
+        lengths = masks.sample_lengths(n)
+        mask = masks.document(lengths).to(device)
+        row = {"n": n, "device": str(device), "block_shapes": shapes,
+               "builder_ms": timed(lambda: masks.document(lengths), device, args.repeat),
+               "plans_ms": timed(lambda: fresh(mask) and [build_plans_consecutive(mask, 0, n, bm, bn) for bm, bn in shapes],
+                                 device, args.repeat)}
+        if n <= args.dense_max:
+            pos = torch.arange(n, device=device)
+            row["plans_dense_ms"] = timed(lambda: fresh(mask) and [build_plans(mask, pos, bm, bn) for bm, bn in shapes],
+                                          device, max(1, args.repeat // 2))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    cmd = "python launch/bench/plan_prep.py " + " ".join(sys.argv[1:])
+    (args.out / f"plan_prep_{device.type}.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1))
+    print("\n| N | mask builder ms | plans ms (range-based) | plans ms (dense grid) |\n|---|---|---|---|")
+    for r in rows:
+        dense = f"{r['plans_dense_ms']:.1f}" if "plans_dense_ms" in r else "-"
+        print(f"| {r['n']} | {r['builder_ms']:.2f} | {r['plans_ms']:.2f} | {dense} |")
+
+
+if __name__ == "__main__":
+    main()
