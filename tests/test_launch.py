@@ -1,6 +1,7 @@
 """The README's main job and the CPU benchmark run end to end (small sizes; no timing asserted)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +106,20 @@ def test_plan_prep_benchmark_runs_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "plan_prep_cpu.json").read_text())["rows"]
     assert [r["n"] for r in rows] == [4096, 8192] and all(r["plans_ms"] > 0 and "plans_dense_ms" in r for r in rows)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_verify_multi_gpu_script_passes_on_cpu_ranks(tmp_path, world):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), str(ROOT / "launch" / "bench" / "verify_multi_gpu.py"),
+         "--device", "cpu", "--ns", "192", "--heads", "8", "--kv-heads", "2", "--head-dim", "8", "--dtype", "float64",
+         "--masks", "docs", "sliding_sinks", "--balances", "zigzag", "mask", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / f"verify_multi_gpu_cpu_x{world}.json").read_text())
+    modes = {c["mode"] for c in data["cases"]}
+    assert modes == ({"ring", "ulysses", "hybrid"} if world == 4 else {"ring", "ulysses"})
+    assert all(c["pass"] for c in data["cases"]) and len(data["cases"]) == 2 * 2 * len(modes)
+    ring = [r for c in data["cases"] if c["mode"] == "ring" for r in c["ranks"]]
+    assert all(r["skipped"] == r["expected_skipped"] for r in ring) and any(r["skipped"] for r in ring)
