@@ -123,3 +123,20 @@ def test_verify_multi_gpu_script_passes_on_cpu_ranks(tmp_path, world):
     assert all(c["pass"] for c in data["cases"]) and len(data["cases"]) == 2 * 2 * len(modes)
     ring = [r for c in data["cases"] if c["mode"] == "ring" for r in c["ranks"]]
     assert all(r["skipped"] == r["expected_skipped"] for r in ring) and any(r["skipped"] for r in ring)
+
+
+def test_cp_scaling_script_runs_on_cpu_ranks(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "launch" / "bench" / "cp_scaling.py"),
+         "--device", "cpu", "--ns", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--dtype", "float32",
+         "--masks", "docs", "--balances", "contiguous", "mask", "--repeat", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "cp_scaling_cpu_x2.json").read_text())["rows"]
+    assert {(r["mode"], r["balance"]) for r in rows} == {(m, b) for m in ("ring", "ulysses") for b in ("contiguous", "mask")}
+    assert all("error" not in r and r["fwdbwd_tflops_per_gpu"] > 0 and "efficiency_fwdbwd" in r for r in rows)
+    ring = [r for r in rows if r["mode"] == "ring"]
+    # Packed documents: the contiguous ring skips transfers and moves less than a plain ring.
+    assert all(r["bytes_moved"] <= r["plain_ring_bytes"] for r in ring) and any(r["transfers_skipped"] > 0 for r in ring)
+    assert (tmp_path / "cp_scaling_cpu_x2.png").exists()
