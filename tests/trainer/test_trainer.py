@@ -88,12 +88,14 @@ def test_context_parallel_losses_equal_one_process(tmp_path, objective):
     runs = {}
     for name, world, extra in (("single", 1, ["--parallel.cp", "none"]), ("ring2", 2, ["--parallel.cp", "ring"]),
                                ("ring4", 4, ["--parallel.cp", "ring", "--parallel.balance", "mask"]),
-                               ("ulysses2", 2, ["--parallel.cp", "ulysses"])):
+                               ("ulysses2", 2, ["--parallel.cp", "ulysses"]),
+                               # The long-context switches under CP: tiled layers, the first layer's checkpoint on the host.
+                               ("ring2_tiled", 2, ["--parallel.cp", "ring", "--model.tile_chunk", "100", "--model.offload_layers", "1"])):
         out = str(tmp_path / name)
         results = run_ranks(_train, world, args + extra, out, timeout=400)
         assert all("exception" not in r for r in results), [r.get("traceback") for r in results]
         runs[name] = _losses(out)
-    for name in ("ring2", "ring4", "ulysses2"):
+    for name in ("ring2", "ring4", "ulysses2", "ring2_tiled"):
         assert runs[name] == pytest.approx(runs["single"], rel=2e-5), (name, runs)
 
 
