@@ -140,3 +140,20 @@ def test_cp_scaling_script_runs_on_cpu_ranks(tmp_path):
     # Packed documents: the contiguous ring skips transfers and moves less than a plain ring.
     assert all(r["bytes_moved"] <= r["plain_ring_bytes"] for r in ring) and any(r["transfers_skipped"] > 0 for r in ring)
     assert (tmp_path / "cp_scaling_cpu_x2.png").exists()
+
+
+def test_train_context_searches_with_fresh_trainer_runs(tmp_path):
+    script = str(ROOT / "launch" / "bench" / "train_context.py")
+    common = ["--nproc", "2", "--shape", "tiny", "--cp", "ring", "--device", "cpu", "--granularity", "256", "--steps", "1"]
+    proc = subprocess.run([sys.executable, script, *common, "--start", "256", "--max", "512", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads((tmp_path / "train_context_tiny_ring_x2.json").read_text())
+    assert data["longest"] == 512 and [r["n"] for r in data["rows"]] == [256, 512]
+    assert all(r["fits"] and r["tokens_per_s"] > 0 and len(r["losses"]) == 1 for r in data["rows"])
+    # A run that fails is a length that does not fit, with the rank's own error as the reason.
+    proc = subprocess.run([sys.executable, script, *common, "--start", "255", "--max", "300", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads((tmp_path / "train_context_tiny_ring_x2.json").read_text())["rows"][0]
+    assert not row["fits"] and "expected a length divisible by" in row["reason"]

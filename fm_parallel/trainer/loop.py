@@ -290,8 +290,10 @@ def train(cfg: Config) -> dict:
         elapsed = time.perf_counter() - t0
         tokens = len(rows) * cfg.data.seq_len
         record = {"step": step, "loss": local_loss.item(), "tokens_per_s": tokens / elapsed, "lr": _lr(cfg, step), "step_s": elapsed}
-        if device.type == "cuda":
-            record["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if device.type == "cuda":  # the largest over the ranks: the one that decides whether a length fits
+            peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30, device=device)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            record["peak_gib"] = peak.item()
         if policy is not None and policy.host_bytes:
             record["host_gib"] = policy.host_bytes / 2**30
         if rank == 0:
