@@ -38,9 +38,29 @@ def run_ranks(fn, world: int, *args, timeout: float = 240.0) -> list[dict]:
         import time
 
         deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
+        teardown = None
+        while True:
+            try:
+                if ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
+                    break
+            except mp.ProcessExitedException as e:
+                # A rank that dies after writing its result died in teardown (seen rarely: DeepSpeed's
+                # shared-memory comm aborting at exit); its result still counts. One that dies before
+                # writing it fails below, when its file is missing.
+                teardown = str(e)
+                for p in ctx.processes:
+                    p.join(timeout=30)
+                    if p.is_alive():
+                        p.kill()
+                break
             if time.monotonic() > deadline:
                 for p in ctx.processes:
                     p.kill()
                 raise TimeoutError(f"{world} ranks did not finish within {timeout} s (a hang)")
-        return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
+        results = []
+        for r in range(world):
+            path = os.path.join(tmp, f"rank{r}.json")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} wrote no result ({teardown or 'no exit status'})")
+            results.append(json.load(open(path)))
+        return results
