@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -33,8 +32,10 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "launch" / "bench"))
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from ranks import DTYPES, init_ranks  # noqa: E402
+
 
 
 def build_mask(name: str, n: int):
@@ -97,22 +98,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
 
-    from torch.distributed.device_mesh import init_device_mesh
-
     from fm_parallel import flashmask_attention
     from fm_parallel.distributed import RingStats, hybrid_attention, ring_attention, shard, ulysses_attention
     from fm_parallel.distributed.sharding import pair_counts
 
-    cuda = args.device == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    rank, world, device, mesh = init_ranks(args.device)
+    cuda = device.type == "cuda"
     dtype, h, hkv, d = DTYPES[args.dtype], args.heads, args.kv_heads, args.head_dim
     itemsize = torch.empty((), dtype=dtype).element_size()
     impl = args.impl or ("triton" if cuda else "torch")
-    mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("ring", "ulysses")) if world >= 4 and world % 2 == 0 else None
     modes = ["ring"] + (["ulysses"] if h % world == 0 else []) + (["hybrid"] if mesh is not None else [])
     rows = []
     for n in args.ns:
@@ -196,7 +190,6 @@ def main() -> None:
                     rows.append(row)
                     if rank == 0:
                         print(json.dumps(row), flush=True)
-                del ql, kl, vl, dl
     if rank == 0:
         write(rows, args, world, device)
     dist.destroy_process_group()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,8 +27,10 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "launch" / "bench"))
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+from ranks import DTYPES, init_ranks  # noqa: E402
+
 # Max |distributed - single device| relative to max |single device|: the merge order of partial
 # softmax results differs, so halves agree to their rounding, float64 to ~1e-12.
 TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4, torch.float64: 1e-9}
@@ -103,20 +104,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
 
-    from torch.distributed.device_mesh import init_device_mesh
-
     from fm_parallel import flashmask_attention
     from fm_parallel.distributed import shard
     from fm_parallel.distributed.sharding import pair_counts
 
-    cuda = args.device == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    rank, world, device, mesh = init_ranks(args.device)
+    cuda = device.type == "cuda"
     dtype, impl = DTYPES[args.dtype], args.impl
-    mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("ring", "ulysses")) if world >= 4 and world % 2 == 0 else None
     results, failed = [], 0
     for n in args.ns:
         families = build_masks(n)

@@ -1,0 +1,31 @@
+"""Shared by the multi-rank benchmarks (verify_multi_gpu.py, cp_scaling.py): start the process group
+under torchrun and describe this rank."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+
+
+def init_ranks(device_name: str):
+    """``(rank, world, device, mesh)``: NCCL on ``cuda`` (one GPU per local rank), gloo on ``cpu``;
+    ``mesh`` is a ``("ring", "ulysses")`` DeviceMesh of ``world / 2 x 2`` where the world has an even
+    number of ranks, at least 4 (for hybrid runs), else None."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device_name not in ("cuda", "cpu"):
+        raise ValueError(f"--device: expected cuda or cpu, got {device_name!r}")
+    cuda = device_name == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    mesh = None
+    if world >= 4 and world % 2 == 0:
+        mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("ring", "ulysses"))
+    return rank, world, device, mesh
