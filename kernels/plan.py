@@ -136,18 +136,25 @@ def _offsets(rows: torch.Tensor, num_rows: int) -> torch.Tensor:
     return offsets.to(torch.int32)
 
 
-def _per_key_block(ranges, tq: int, cls_value: int):
-    """Transposed-plan runs of one class: (rows r * T_k + kb, starts, ends) over query blocks."""
+_CLASSES = (int(TileClass.FULL), int(TileClass.PARTIAL))
+
+
+def _per_key_block(ranges, tq: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Transposed-plan runs over query blocks, per class (FULL, PARTIAL):
+    ``(rows r * T_k + kb, starts, ends)``. Breakpoints and classes are computed once for both."""
     points = _breakpoints(ranges, tq)
     first = torch.ones_like(points, dtype=torch.bool)
     first[..., 1:] = points[..., 1:] != points[..., :-1]  # a repeated breakpoint counts once
     here, before = _class_at(ranges, points, tq), _class_at(ranges, points - 1, tq)
-    starts = first & (here == cls_value) & (before != cls_value)
-    ends = first & (before == cls_value) & (here != cls_value)
-    r, kb, i = torch.nonzero(starts, as_tuple=True)  # row-major: sorted by (r, kb, point)
-    re_, kbe, ie = torch.nonzero(ends, as_tuple=True)
     tk = points.shape[1]
-    return r * tk + kb, points[r, kb, i], points[re_, kbe, ie]
+    out = []
+    for cls_value in _CLASSES:
+        starts = first & (here == cls_value) & (before != cls_value)
+        ends = first & (before == cls_value) & (here != cls_value)
+        r, kb, i = torch.nonzero(starts, as_tuple=True)  # row-major: sorted by (r, kb, point)
+        re_, kbe, ie = torch.nonzero(ends, as_tuple=True)
+        out.append((r * tk + kb, points[r, kb, i], points[re_, kbe, ie]))
+    return out
 
 
 def _shift(ranges, step: int, tq: int):
@@ -160,18 +167,23 @@ def _shift(ranges, step: int, tq: int):
     return out
 
 
-def _per_query_block(ranges, tq: int, cls_value: int, tk: int):
-    """Forward-plan runs of one class: (rows r * T_q + qb, starts, ends) over key blocks.
+def _per_query_block(ranges, tq: int, tk: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Forward-plan runs over key blocks, per class (FULL, PARTIAL): ``(rows r * T_q + qb, starts, ends)``.
 
     A run starts at (qb, kb) where kb has the class and kb - 1 does not; the query blocks where that
     holds are pieces between the breakpoints of kb and kb - 1 (likewise for run ends with kb + 1).
+    The pieces and their classes do not depend on the class asked for: computed once per neighbour.
     """
+    own = _breakpoints(ranges, tq)
 
-    def entries(other):
-        points = torch.cat([_breakpoints(ranges, tq), _breakpoints(other, tq)], dim=-1).sort(dim=-1).values
+    def pieces(other):
+        points = torch.cat([own, _breakpoints(other, tq)], dim=-1).sort(dim=-1).values
         nxt = torch.cat([points[..., 1:], torch.full_like(points[..., :1], tq)], dim=-1)
-        inside = (_class_at(ranges, points, tq) == cls_value) & (_class_at(other, points, tq) != cls_value) & (nxt > points)
-        r, kb, i = torch.nonzero(inside, as_tuple=True)
+        return points, nxt, _class_at(ranges, points, tq), _class_at(other, points, tq)
+
+    def entries(piece_set, cls_value):
+        points, nxt, here, there = piece_set
+        r, kb, i = torch.nonzero((here == cls_value) & (there != cls_value) & (nxt > points), as_tuple=True)
         lo, length = points[r, kb, i], (nxt - points)[r, kb, i]
         # Expand each piece [lo, lo + length) into its query blocks.
         piece = torch.repeat_interleave(torch.arange(length.numel(), device=length.device), length)
@@ -179,12 +191,16 @@ def _per_query_block(ranges, tq: int, cls_value: int, tk: int):
         qb = lo[piece] + (torch.arange(piece.numel(), device=piece.device) - start_of_piece[piece])
         return r[piece] * tq + qb, kb[piece]
 
-    row_s, kb_s = entries(_shift(ranges, -1, tq))
-    row_e, kb_e = entries(_shift(ranges, +1, tq))
-    # Runs in one (row, query block) are disjoint and ordered: sorted starts and ends pair up.
-    order_s = torch.argsort(row_s * (tk + 1) + kb_s)
-    order_e = torch.argsort(row_e * (tk + 1) + kb_e)
-    return row_s[order_s], kb_s[order_s], kb_e[order_e] + 1
+    before, after = pieces(_shift(ranges, -1, tq)), pieces(_shift(ranges, +1, tq))
+    out = []
+    for cls_value in _CLASSES:
+        row_s, kb_s = entries(before, cls_value)
+        row_e, kb_e = entries(after, cls_value)
+        # Runs in one (row, query block) are disjoint and ordered: sorted starts and ends pair up.
+        order_s = torch.argsort(row_s * (tk + 1) + kb_s)
+        order_e = torch.argsort(row_e * (tk + 1) + kb_e)
+        out.append((row_s[order_s], kb_s[order_s], kb_e[order_e] + 1))
+    return out
 
 
 def build_plans_consecutive(mask: FlashMask, row_offset: int, num_rows: int, block_m: int,
@@ -203,11 +219,7 @@ def build_plans_consecutive(mask: FlashMask, row_offset: int, num_rows: int, blo
     for transposed in (False, True):
         outer = tk if transposed else tq
         parts, work = [], torch.zeros(outer, dtype=torch.int64, device=mask.device)
-        for cls_value in (int(TileClass.FULL), int(TileClass.PARTIAL)):
-            if transposed:
-                row, start, end = _per_key_block(ranges, tq, cls_value)
-            else:
-                row, start, end = _per_query_block(ranges, tq, cls_value, tk)
+        for row, start, end in (_per_key_block(ranges, tq) if transposed else _per_query_block(ranges, tq, tk)):
             parts.append((_offsets(row, rows_total * outer), torch.stack([start, end], 1).to(torch.int32).contiguous()))
             work.index_add_(0, row % outer, end - start)
         order = torch.argsort(work, descending=True, stable=True).to(torch.int32)
