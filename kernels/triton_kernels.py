@@ -64,6 +64,23 @@ def _fwd_tile(
 
 
 @triton.jit
+def _query_program(ORDER, Hq, Hm, Bm, num_q_blocks, q_per_kv, q_per_mask_head, WIDE: tl.constexpr):
+    """Who this program of a per-query-block pass (forward, dQ) is: its query block ``pid_m`` (plan
+    order: busiest first), ``pid_bh`` = batch x query head, the batch ``b``, query head ``h``, K/V head
+    ``kvh``, mask batch row ``mb`` and mask head ``mh``, and its ``row`` in the launch plan."""
+    pid_m = tl.load(ORDER + tl.program_id(0))
+    pid_bh = tl.program_id(1)
+    if WIDE:  # some tensor spans 2^31 elements or more (e.g. 32 heads x 1M tokens x 128): 64-bit offsets
+        pid_m = pid_m.to(tl.int64)
+        pid_bh = pid_bh.to(tl.int64)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    mb = b % Bm
+    mh = h // q_per_mask_head
+    return pid_m, pid_bh, b, h, h // q_per_kv, mb, mh, (mb * Hm + mh) * num_q_blocks + pid_m
+
+
+@triton.jit
 def flashmask_fwd_kernel(
     Q, K, V, O, LSE, FMS, FME, POS,
     FULL_OFF, FULL_RUNS, PART_OFF, PART_RUNS, ORDER,
@@ -75,17 +92,7 @@ def flashmask_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     WIDE: tl.constexpr,
 ):
-    pid_m = tl.load(ORDER + tl.program_id(0))  # busiest blocks first (plan.order)
-    pid_bh = tl.program_id(1)
-    if WIDE:  # some tensor spans 2^31 elements or more (e.g. 32 heads x 1M tokens x 128): 64-bit offsets
-        pid_m = pid_m.to(tl.int64)
-        pid_bh = pid_bh.to(tl.int64)
-    b = pid_bh // Hq
-    h = pid_bh % Hq
-    kvh = h // q_per_kv
-    mb = b % Bm
-    mh = h // q_per_mask_head
-    row = (mb * Hm + mh) * num_q_blocks + pid_m
+    pid_m, pid_bh, b, h, kvh, mb, mh, row = _query_program(ORDER, Hq, Hm, Bm, num_q_blocks, q_per_kv, q_per_mask_head, WIDE)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -277,17 +284,7 @@ def flashmask_bwd_q_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     WIDE: tl.constexpr,
 ):
-    pid_m = tl.load(ORDER + tl.program_id(0))  # busiest blocks first (plan.order)
-    pid_bh = tl.program_id(1)
-    if WIDE:  # some tensor spans 2^31 elements or more (e.g. 32 heads x 1M tokens x 128): 64-bit offsets
-        pid_m = pid_m.to(tl.int64)
-        pid_bh = pid_bh.to(tl.int64)
-    b = pid_bh // Hq
-    h = pid_bh % Hq
-    kvh = h // q_per_kv
-    mb = b % Bm
-    mh = h // q_per_mask_head
-    row = (mb * Hm + mh) * num_q_blocks + pid_m
+    pid_m, pid_bh, b, h, kvh, mb, mh, row = _query_program(ORDER, Hq, Hm, Bm, num_q_blocks, q_per_kv, q_per_mask_head, WIDE)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
