@@ -23,8 +23,12 @@ def _entry(rank, world, init_file, out_dir, fn, args):
         result = fn(rank, world, *args)
     except Exception as e:  # reported to the test, which decides whether it was expected
         result = {"exception": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    # Written under a temporary name and renamed: when another rank dies, torch.multiprocessing
+    # SIGTERMs the rest, and a half-written file must read as "no result", not as broken JSON.
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
         json.dump(result, f)
+    os.replace(path + ".tmp", path)
     try:
         dist.barrier()
     finally:
@@ -57,10 +61,10 @@ def run_ranks(fn, world: int, *args, timeout: float = 240.0) -> list[dict]:
                 for p in ctx.processes:
                     p.kill()
                 raise TimeoutError(f"{world} ranks did not finish within {timeout} s (a hang)")
-        results = []
-        for r in range(world):
-            path = os.path.join(tmp, f"rank{r}.json")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {r} wrote no result ({teardown or 'no exit status'})")
-            results.append(json.load(open(path)))
-        return results
+        paths = [os.path.join(tmp, f"rank{r}.json") for r in range(world)]
+        missing = [r for r, path in enumerate(paths) if not os.path.exists(path)]
+        if missing:
+            # Every missing rank is named: the one that died first and any the harness then stopped.
+            named = "; ".join(f"rank {r} wrote no result" for r in missing)
+            raise RuntimeError(f"{named} ({teardown or 'no exit status'})")
+        return [json.load(open(path)) for path in paths]

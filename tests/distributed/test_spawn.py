@@ -16,3 +16,18 @@ def dies_on_rank_1(rank, world):
 def test_a_rank_that_dies_before_reporting_fails_the_run():
     with pytest.raises(RuntimeError, match="rank 1 wrote no result"):
         run_ranks(dies_on_rank_1, 2, timeout=120)
+
+
+def dies_on_rank_1_while_rank_0_works(rank, world):
+    import os
+    import time
+
+    if rank == 1:
+        os.abort()
+    time.sleep(5)  # still working when the harness stops it after rank 1's death
+    return {"ok": True}
+
+
+def test_ranks_stopped_after_another_rank_died_are_named_too():
+    with pytest.raises(RuntimeError, match="rank 0 wrote no result; rank 1 wrote no result"):
+        run_ranks(dies_on_rank_1_while_rank_0_works, 2, timeout=120)
