@@ -12,8 +12,8 @@ Shapes: forward counts ``[B, H, T_q]`` and indices ``[B, H, T_q, T_k]``; backwar
 FA4 expands it), except that a mask with one head per KV head is repeated to the query heads
 (FA4 counts per query head). Within a list the block indices ascend; entries past the count are 0.
 
-The kernel-side half of the ``cute`` backend (a CuTe DSL ``mask_mod`` reading ``fms`` / ``fme`` from
-auxiliary tensors) is not here yet: it needs the H200 to verify (issue 5).
+The tile shape must be one FA4's SM90 kernels accept in both passes (:func:`fa4_tile_shape`); the
+kernel-side half, the ``mask_mod``, is :mod:`.cute_mask_mod`, and the backend :mod:`.cute_flashmask`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,23 @@ from fm_parallel.masks.flashmask import FlashMask
 
 from .plan import _classes
 
-__all__ = ["FA4BlockSparsity", "fa4_block_sparsity"]
+__all__ = ["FA4BlockSparsity", "fa4_block_sparsity", "fa4_tile_shape"]
+
+
+def fa4_tile_shape(head_dim: int) -> tuple[int, int]:
+    """(query block, key block) of FA4's SM90 kernels with block sparsity, forward and backward alike.
+
+    FA4 needs the sparse key block equal to its key tile in both passes and the query block a
+    multiple of its query tile (flash_attn/cute/interface.py, ``_tile_size_fwd_sm90`` /
+    ``_tile_size_bwd_sm90`` and the block-sparse fitting of 4.0.0b36). Key tiles: forward 128 for
+    D <= 128, 128/112 -> fitted down to 96 for D <= 192 (backward 96), 80 -> fitted to 64 for D <= 256
+    (backward 64 with sparsity); query tiles 64..128 divide 128 everywhere.
+    """
+    if not 8 <= head_dim <= 256:
+        raise ValueError(f"head_dim: expected 8..256 for FA4's SM90 kernels, got {head_dim}")
+    if head_dim <= 128:
+        return 128, 128
+    return (128, 96) if head_dim <= 192 else (128, 64)
 
 
 @dataclass(frozen=True)
@@ -40,6 +56,11 @@ class FA4BlockSparsity:
     mask_block_idx: torch.Tensor
     block_size: tuple[int, int]  # (query block, key block), tokens
     transposed: bool
+    # Backward only: for entry i of key block n's lists (query block m), the rank of n among the key
+    # blocks query block m visits, ascending. FA4's deterministic backward adds dQ contributions in
+    # this order (a semaphore per query block), so the sum is the same on every run.
+    dq_write_order: torch.Tensor | None = None
+    dq_write_order_full: torch.Tensor | None = None
 
     def to_fa4(self):
         """The ``flash_attn.cute.block_sparsity.BlockSparseTensorsTorch`` FA4's interface takes."""
@@ -50,7 +71,10 @@ class FA4BlockSparsity:
                               "launch/bench/fa4_wheels recipe for the H200)") from e
         return BlockSparseTensorsTorch(mask_block_cnt=self.mask_block_cnt, mask_block_idx=self.mask_block_idx,
                                        full_block_cnt=self.full_block_cnt, full_block_idx=self.full_block_idx,
-                                       block_size=self.block_size)
+                                       block_size=self.block_size, dq_write_order=self.dq_write_order,
+                                       dq_write_order_full=self.dq_write_order_full,
+                                       # ascending ranks (FA4's "spt" order would be descending)
+                                       spt=False if self.dq_write_order is not None else None)
 
     def classes(self) -> torch.Tensor:
         """The tile classes these lists describe, ``[B, H, T_outer, T_inner]`` int8 (for checks)."""
@@ -77,10 +101,12 @@ def _lists(flag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fa4_block_sparsity(mask: FlashMask, block_q: int, block_k: int, num_heads: int | None = None,
-                       positions: torch.Tensor | None = None) -> tuple[FA4BlockSparsity, FA4BlockSparsity]:
+                       positions: torch.Tensor | None = None, write_order: bool = False,
+                       ) -> tuple[FA4BlockSparsity, FA4BlockSparsity]:
     """(forward, backward) block sparsity of ``mask`` for query rows at ``positions`` (default all
     ``mask.num_rows`` rows) in ``block_q x block_k`` tiles. ``num_heads``: the query heads, needed
-    when the mask has one head per KV head."""
+    when the mask has one head per KV head. ``write_order``: also the backward's ``dq_write_order``
+    for FA4's deterministic block-sparse backward (SM100; 4.0.0b36 has none on SM90)."""
     if block_q <= 0 or block_k <= 0:
         raise ValueError(f"block_q, block_k: expected positive tile sizes, got {block_q}, {block_k}")
     if positions is None:
@@ -91,10 +117,19 @@ def fa4_block_sparsity(mask: FlashMask, block_q: int, block_k: int, num_heads: i
         if num_heads is None or num_heads % mask.heads:
             raise ValueError(f"num_heads: expected a multiple of the mask's {mask.heads} heads, got {num_heads}")
         cls = cls.repeat_interleave(num_heads // mask.heads, dim=1)
-    result = []
-    for transposed in (False, True):
-        c = cls.transpose(-1, -2) if transposed else cls
-        full_cnt, full_idx = _lists(c == TileClass.FULL)
-        part_cnt, part_idx = _lists(c == TileClass.PARTIAL)
-        result.append(FA4BlockSparsity(full_cnt, full_idx, part_cnt, part_idx, (block_q, block_k), transposed))
-    return result[0], result[1]
+    fwd_full_cnt, fwd_full_idx = _lists(cls == TileClass.FULL)
+    fwd_part_cnt, fwd_part_idx = _lists(cls == TileClass.PARTIAL)
+    fwd = FA4BlockSparsity(fwd_full_cnt, fwd_full_idx, fwd_part_cnt, fwd_part_idx, (block_q, block_k), False)
+    cls_t = cls.transpose(-1, -2)
+    full_cnt, full_idx = _lists(cls_t == TileClass.FULL)
+    part_cnt, part_idx = _lists(cls_t == TileClass.PARTIAL)
+    order = order_full = None
+    if write_order:
+        # Rank of each key block among the visited ones of its query block (exclusive prefix count),
+        # read at the backward lists' entries.
+        visited = (cls != TileClass.SKIP).to(torch.int32)
+        rank_t = (visited.cumsum(-1, dtype=torch.int32) - visited).transpose(-1, -2)  # [B, H, T_k, T_q]
+        order = torch.gather(rank_t, -1, part_idx.long()).contiguous()
+        order_full = torch.gather(rank_t, -1, full_idx.long()).contiguous()
+    bwd = FA4BlockSparsity(full_cnt, full_idx, part_cnt, part_idx, (block_q, block_k), True, order, order_full)
+    return fwd, bwd

@@ -9,12 +9,12 @@ shared tile rule (plan.py) once per mask, block shape and query offset, and cach
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 import triton
 
+from fm_parallel.kernels.custom_op import define_attention_op
 from fm_parallel.kernels.plan import BlockSparsePlan, build_plan, build_plans_consecutive
 from fm_parallel.kernels.triton_kernels import (
     LOG2E,
@@ -185,83 +185,6 @@ def flashmask_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale, dl
     return dq_acc.to(q.dtype), dk, dv
 
 
-# ----------------------------------------------------------------- custom op
-# The kernels are registered as torch.library custom ops so that a torch.compile'd model calls them
-# without graph breaks. The mask enters as plain tensors: a new mask is new data, never a new graph.
-# Launch plans are cached per mask storage in a small registry that holds the tensors (so their
-# memory cannot be reused under the same key) and keys on their version counters (so an in-place
-# edit of the bounds is a miss).
-_REGISTRY: OrderedDict = OrderedDict()
-_REGISTRY_SIZE = 16
-
-
-def _registered_mask(fms: torch.Tensor, fme: torch.Tensor, num_rows: int) -> FlashMask:
-    key = (fms.data_ptr(), fms._version, fme.data_ptr(), fme._version, tuple(fms.shape), num_rows, str(fms.device))
-    entry = _REGISTRY.get(key)
-    if entry is None:
-        entry = (fms, fme, FlashMask(fms, fme, num_rows, validate=False))
-        _REGISTRY[key] = entry
-        if len(_REGISTRY) > _REGISTRY_SIZE:
-            _REGISTRY.popitem(last=False)
-    else:
-        _REGISTRY.move_to_end(key)
-    return entry[2]
-
-
-def _offset(q_offset: int):
-    return None if q_offset < 0 else q_offset
-
-
-@torch.library.custom_op("fm_parallel::flashmask_fwd", mutates_args=())
-def _fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fms: torch.Tensor, fme: torch.Tensor,
-    positions: torch.Tensor, num_rows: int, scale: float, q_offset: int, deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return flashmask_fwd(q, k, v, _registered_mask(fms, fme, num_rows), positions, scale, _offset(q_offset))
-
-
-@_fwd_op.register_fake
-def _(q, k, v, fms, fme, positions, num_rows, scale, q_offset, deterministic):
-    out = q.new_empty(*q.shape[:3], v.shape[-1])
-    return out, q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
-@torch.library.custom_op("fm_parallel::flashmask_bwd", mutates_args=())
-def _bwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-    dlse: torch.Tensor | None, fms: torch.Tensor, fme: torch.Tensor, positions: torch.Tensor,
-    num_rows: int, scale: float, q_offset: int, deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    mask = _registered_mask(fms, fme, num_rows)
-    return flashmask_bwd(q, k, v, out, lse, dout, mask, positions, scale, dlse, _offset(q_offset), deterministic)
-
-
-@_bwd_op.register_fake
-def _(q, k, v, out, lse, dout, dlse, fms, fme, positions, num_rows, scale, q_offset, deterministic):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, fms, fme, positions, num_rows, scale, q_offset, deterministic = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, fms, fme, positions)
-    ctx.num_rows, ctx.scale, ctx.q_offset, ctx.deterministic = num_rows, scale, q_offset, deterministic
-
-
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, fms, fme, positions = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv = _bwd_op(q, k, v, out, lse, dout.contiguous(), dlse, fms, fme, positions, ctx.num_rows, ctx.scale,
-                         ctx.q_offset, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None, None, None, None
-
-
-_fwd_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def attention(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None,
-              deterministic: bool = True):
-    """Differentiable FlashMask attention through the custom op (inputs validated by the caller)."""
-    return _fwd_op(q, k, v, mask.fms, mask.fme, positions, mask.num_rows, float(scale),
-                   -1 if q_offset is None else q_offset, bool(deterministic))
+# Registered as torch.library custom ops (kernels/custom_op.py): no graph breaks under torch.compile,
+# and a new mask is new data, never a new graph.
+attention = define_attention_op("flashmask", flashmask_fwd, flashmask_bwd)

@@ -81,3 +81,40 @@ def test_handing_over_to_fa4_needs_the_cute_extra():
             fwd.to_fa4()
     else:
         pytest.skip("flash-attn-4 is installed here: the hand-over is checked by the GPU script instead")
+
+
+@pytest.mark.parametrize("family", ["document", "dpo", "sliding_sinks", "prefix_lm_docs", "union_multi"])
+def test_dq_write_order_ranks_each_key_block_within_its_query_block(family):
+    """FA4's deterministic backward: entry i of key block n's lists (query block m) carries the number
+    of visited key blocks before n in query block m's row: brute force over the class grid."""
+    m = FAMILIES[family]
+    fwd, bwd = fa4_block_sparsity(m, 8, 16, write_order=True)
+    assert fa4_block_sparsity(m, 8, 16)[1].dq_write_order is None  # only on request
+    grid = fwd.classes()[0, 0]  # [T_q, T_k]
+    visited = grid != TileClass.SKIP
+    checked = 0
+    for cnt, idx, order in ((bwd.mask_block_cnt, bwd.mask_block_idx, bwd.dq_write_order),
+                            (bwd.full_block_cnt, bwd.full_block_idx, bwd.dq_write_order_full)):
+        assert order.shape == idx.shape and order.dtype == torch.int32
+        for n in range(idx.shape[2]):
+            for i in range(int(cnt[0, 0, n])):
+                q_block = int(idx[0, 0, n, i])
+                assert int(order[0, 0, n, i]) == int(visited[q_block, :n].sum()), (n, i, q_block)
+                checked += 1
+    assert checked == int(visited.sum())  # every visited tile has exactly one rank
+    assert fwd.dq_write_order is None  # the forward lists need none
+
+
+@pytest.mark.parametrize("head_dim,shape", [(64, (128, 128)), (96, (128, 128)), (128, (128, 128)),
+                                            (160, (128, 96)), (192, (128, 96)), (256, (128, 64))])
+def test_tile_shape_follows_fa4_sm90_tiles(head_dim, shape):
+    from fm_parallel.kernels.fa4_sparsity import fa4_tile_shape
+
+    assert fa4_tile_shape(head_dim) == shape
+
+
+def test_tile_shape_rejects_head_dims_fa4_cannot_run():
+    from fm_parallel.kernels.fa4_sparsity import fa4_tile_shape
+
+    with pytest.raises(ValueError, match="head_dim: expected 8..256 for FA4's SM90 kernels, got 320"):
+        fa4_tile_shape(320)

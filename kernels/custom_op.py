@@ -1,0 +1,98 @@
+"""A backend's forward and backward launchers as ``torch.library`` custom ops with autograd.
+
+Custom ops let a ``torch.compile``d model call our kernels without graph breaks. They take plain
+tensors, so the mask enters as its bounds: a new mask is new data, never a new graph or a
+recompilation. Each backend then needs the :class:`FlashMask` object back, with its cache of launch
+metadata; a small registry keeps the last few per storage. It holds the tensors (so their memory
+cannot be reused under the same key) and keys on their version counters (so an in-place edit of the
+bounds is a miss). Shared by the Triton and CuTe backends.
+
+    forward(q, k, v, mask, positions, scale, q_offset) -> out [B, Hq, Nq, Dv], lse [B, Hq, Nq] float32
+    backward(q, k, v, out, lse, dout, mask, positions, scale, dlse, q_offset, deterministic) -> dq, dk, dv
+
+``q_offset`` is None when the rows are arbitrary ``positions`` (ops carry it as -1).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+
+from fm_parallel.masks.flashmask import FlashMask
+
+__all__ = ["define_attention_op", "registered_mask"]
+
+_REGISTRY: OrderedDict = OrderedDict()
+_REGISTRY_SIZE = 16
+
+
+def registered_mask(fms: torch.Tensor, fme: torch.Tensor, num_rows: int) -> FlashMask:
+    key = (fms.data_ptr(), fms._version, fme.data_ptr(), fme._version, tuple(fms.shape), num_rows, str(fms.device))
+    entry = _REGISTRY.get(key)
+    if entry is None:
+        entry = (fms, fme, FlashMask(fms, fme, num_rows, validate=False))
+        _REGISTRY[key] = entry
+        if len(_REGISTRY) > _REGISTRY_SIZE:
+            _REGISTRY.popitem(last=False)
+    else:
+        _REGISTRY.move_to_end(key)
+    return entry[2]
+
+
+def _offset(q_offset: int) -> int | None:
+    return None if q_offset < 0 else q_offset
+
+
+def define_attention_op(name: str, forward: Callable, backward: Callable) -> Callable:
+    """Register ``fm_parallel::{name}_fwd`` / ``_bwd`` and return the differentiable
+    ``attention(q, k, v, mask, positions, scale, q_offset=None, deterministic=True) -> (out, lse)``."""
+
+    @torch.library.custom_op(f"fm_parallel::{name}_fwd", mutates_args=())
+    def fwd_op(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fms: torch.Tensor, fme: torch.Tensor,
+        positions: torch.Tensor, num_rows: int, scale: float, q_offset: int, deterministic: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return forward(q, k, v, registered_mask(fms, fme, num_rows), positions, scale, _offset(q_offset))
+
+    @fwd_op.register_fake
+    def _(q, k, v, fms, fme, positions, num_rows, scale, q_offset, deterministic):
+        return q.new_empty(*q.shape[:3], v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    @torch.library.custom_op(f"fm_parallel::{name}_bwd", mutates_args=())
+    def bwd_op(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+        dlse: torch.Tensor | None, fms: torch.Tensor, fme: torch.Tensor, positions: torch.Tensor,
+        num_rows: int, scale: float, q_offset: int, deterministic: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mask = registered_mask(fms, fme, num_rows)
+        return backward(q, k, v, out, lse, dout, mask, positions, scale, dlse, _offset(q_offset), deterministic)
+
+    @bwd_op.register_fake
+    def _(q, k, v, out, lse, dout, dlse, fms, fme, positions, num_rows, scale, q_offset, deterministic):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, fms, fme, positions, num_rows, scale, q_offset, deterministic = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, fms, fme, positions)
+        ctx.num_rows, ctx.scale, ctx.q_offset, ctx.deterministic = num_rows, scale, q_offset, deterministic
+
+    def grads(ctx, dout, dlse):
+        q, k, v, out, lse, fms, fme, positions = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = bwd_op(q, k, v, out, lse, dout.contiguous(), dlse, fms, fme, positions, ctx.num_rows,
+                            ctx.scale, ctx.q_offset, ctx.deterministic)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+    fwd_op.register_autograd(grads, setup_context=setup_context)
+
+    def attention(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None,
+                  deterministic: bool = True):
+        return fwd_op(q, k, v, mask.fms, mask.fme, positions, mask.num_rows, float(scale),
+                      -1 if q_offset is None else q_offset, bool(deterministic))
+
+    attention.__doc__ = f"Differentiable FlashMask attention through ``fm_parallel::{name}_fwd`` (inputs validated by the caller)."
+    return attention

@@ -1,0 +1,130 @@
+"""FlashMask on FlashAttention-4's CuTe DSL kernels (``impl="cute"``, Hopper).
+
+FA4 (``flash-attn-4==4.0.0b36``, the ``[cute]`` extra) takes two things from us: block-sparsity lists
+(which key tiles each query tile visits, and which of them need masking; :mod:`.fa4_sparsity`,
+built from the same tile rule as the Triton plans) and a ``mask_mod`` that evaluates the FlashMask
+inside partial tiles from the column bounds (:mod:`.cute_mask_mod`). Fully visible tiles run
+FA4's unmasked path; skipped tiles are never loaded.
+
+Layouts: our tensors are SDPA's ``[B, H, N, D]``; FA4's are ``[B, N, H, D]``. Both are passed as
+transposed views (FA4 only needs the last dimension contiguous), so nothing is copied.
+
+``attention`` is the entry point of ``flashmask_attention(impl="cute")`` (a ``torch.library``
+custom op with a fake implementation, like the Triton backend); ``cute_fwd`` / ``cute_bwd`` are the
+launchers the ring and Ulysses wrappers call with their merged output and log-sum-exp.
+
+The FA4 functions used are its private ``_flash_attn_fwd`` / ``_flash_attn_bwd``: the public
+``flash_attn_func`` has no way to pass a merged lse (and its gradient) into the backward, which the
+ring needs. The version is pinned for that reason.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+
+from fm_parallel.kernels.cute_mask_mod import flashmask_mask_mod
+from fm_parallel.kernels.fa4_sparsity import fa4_block_sparsity, fa4_tile_shape
+from fm_parallel.kernels.custom_op import define_attention_op
+from fm_parallel.masks.flashmask import FlashMask
+
+__all__ = ["attention", "cute_fwd", "cute_bwd", "supports"]
+
+_DTYPES = (torch.float16, torch.bfloat16)
+log = logging.getLogger("fm_parallel")
+_told_nondeterministic = False
+
+
+def supports(device: torch.device) -> bool:
+    """Hopper (compute capability 9.x): the tile shapes of :func:`fa4_tile_shape` are FA4's SM90 ones."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def check_inputs(q: torch.Tensor, v: torch.Tensor) -> None:
+    """``ValueError`` for what FA4's SM90 kernels cannot run (the caller may fall back to Triton)."""
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"q: impl='cute' expects float16 or bfloat16, got {q.dtype}")
+    for name, dim in (("q", q.shape[-1]), ("v", v.shape[-1])):
+        if dim % 8 or not 8 <= dim <= 256:
+            raise ValueError(f"{name}: impl='cute' expects a head dim in [8, 256] divisible by 8, got {dim}")
+    if not supports(q.device):
+        raise ValueError(f"q: impl='cute' runs on Hopper GPUs (compute capability 9.x), got {q.device}")
+
+
+def _bshd(t: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N, D]`` -> FA4's ``[B, N, H, D]`` as a view (a copy only if D is not contiguous)."""
+    t = t.transpose(1, 2)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _sparsity(mask: FlashMask, positions: torch.Tensor, num_heads: int, head_dim: int, q_offset: int | None):
+    """FA4's (forward, backward) block-sparse tensors, cached on the mask for consecutive rows."""
+    block_q, block_k = fa4_tile_shape(head_dim)
+
+    def make():
+        fwd, bwd = fa4_block_sparsity(mask, block_q, block_k, num_heads, positions)
+        return fwd.to_fa4(), bwd.to_fa4()
+
+    if q_offset is None:  # arbitrary rows (zigzag shards): no cheap cache key
+        return make()
+    return mask.cached(("fa4_sparsity", block_q, block_k, num_heads, q_offset, positions.numel()), make)
+
+
+def _mask_args(mask: FlashMask, positions: torch.Tensor, num_heads: int):
+    mask_mod = flashmask_mask_mod(mask.batch == 1, num_heads // mask.heads, mask.max_intervals)
+    aux = [mask.fms.contiguous(), mask.fme.contiguous(), positions.to(torch.int32).contiguous()]
+    return mask_mod, aux
+
+
+def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None):
+    """Forward: ``out [B, Hq, Nq, Dv]`` (q's dtype) and ``lse [B, Hq, Nq]`` float32 (natural log;
+    ``-inf`` and a zero output for rows that see no key)."""
+    hq, d = q.shape[1], q.shape[-1]
+    fwd_sparsity, _ = _sparsity(mask, positions, hq, d, q_offset)
+    mask_mod, aux = _mask_args(mask, positions, hq)
+    # Outputs allocated in our layout and handed to FA4 as [B, N, H, D] views: no copies either way.
+    out = q.new_empty(*q.shape[:3], v.shape[-1])
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    _flash_attn_fwd(
+        _bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, mask_mod=mask_mod, aux_tensors=aux,
+        block_sparse_tensors=fwd_sparsity, return_lse=True, out=out.transpose(1, 2), lse=lse,
+    )
+    return out, lse
+
+
+def cute_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, dlse=None,
+             q_offset: int | None = None, deterministic: bool = True):
+    """Backward from the (possibly ring-merged) ``out`` and ``lse``: ``(dq, dk, dv)`` like the inputs.
+    ``dlse``: the gradient reaching ``lse`` (the ring merge produces one).
+
+    FA4 4.0.0b36 has no deterministic block-sparse backward on SM90 (it asserts): dQ is always added
+    with atomics here, and ``deterministic=True`` is logged once instead of honoured; impl="triton"
+    is the bitwise-reproducible backend."""
+    global _told_nondeterministic
+    if deterministic and not _told_nondeterministic:
+        _told_nondeterministic = True
+        log.warning("fm_parallel: impl='cute' backward adds dQ with atomics (FA4 has no deterministic block-sparse "
+                    "backward on Hopper); use impl='triton' for bitwise-reproducible gradients")
+    hq, d = q.shape[1], q.shape[-1]
+    _, bwd_sparsity = _sparsity(mask, positions, hq, d, q_offset)
+    mask_mod, aux = _mask_args(mask, positions, hq)
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    _flash_attn_bwd(
+        _bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse.contiguous(), scale,
+        deterministic=False, mask_mod=mask_mod, aux_tensors=aux,
+        block_sparse_tensors=bwd_sparsity, dlse=None if dlse is None else dlse.contiguous(),
+        dq=dq.transpose(1, 2), dk=dk.transpose(1, 2), dv=dv.transpose(1, 2),
+    )
+    return dq, dk, dv
+
+
+_attention = define_attention_op("flashmask_cute", cute_fwd, cute_bwd)
+
+
+def attention(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None,
+              deterministic: bool = True):
+    """Differentiable FlashMask attention on FA4's kernels (``fm_parallel::flashmask_cute_fwd``)."""
+    check_inputs(q, v)
+    return _attention(q, k, v, mask, positions, scale, q_offset, deterministic)
