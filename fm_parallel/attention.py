@@ -137,18 +137,25 @@ def _resolve_impl(impl: str, device: torch.device) -> str:
     if impl in _BACKENDS:
         if not _runs_here(impl, device):
             raise ValueError(f"impl: {impl!r} needs CUDA tensors, got device {device}")
-        _load(impl)
+        if not _supports(_load(impl), device):
+            raise ValueError(f"impl: {impl!r} does not run on {torch.cuda.get_device_name(device)} "
+                             "(impl='cute' needs a Hopper GPU, compute capability 9.x); use impl='triton'")
         return impl
     if impl == "auto":
         if device.type == "cuda":
             for name in ("cute", "triton"):
                 try:
-                    _load(name)
-                    return name
+                    if _supports(_load(name), device):
+                        return name
                 except ValueError:
                     continue
         return "torch"
     return impl
+
+
+def _supports(backend, device: torch.device) -> bool:
+    """A backend may narrow the devices it runs on (the CuTe backend: Hopper only)."""
+    return getattr(backend, "supports", lambda _: True)(device)
 
 
 def flashmask_attention(
@@ -184,13 +191,16 @@ def flashmask_attention(
         scale: softmax scale, default ``1 / sqrt(D)``.
         q_offset: global row of the first query when ``q`` is a slice of the sequence.
         q_positions: ``[Nq]`` global row of each query instead (zigzag shards).
-        impl: ``"auto"`` (GPU kernel on CUDA when installed, else the PyTorch path), ``"cute"``,
-            ``"triton"``, ``"torch"`` or ``"dense"``. An explicit choice is honoured or raises.
+        impl: ``"auto"`` (on CUDA: ``"cute"`` on Hopper with the ``[cute]`` extra installed and
+            fp16/bf16 inputs with head dims FA4 supports, else ``"triton"``; elsewhere the PyTorch
+            path), ``"cute"`` (FlashAttention-4's kernels), ``"triton"``, ``"torch"`` or ``"dense"``.
+            An explicit choice is honoured or raises, saying what is missing.
         return_lse: also return the log-sum-exp ``[B, Hq, Nq]`` float32 (natural log).
         block_size: tile size of the PyTorch path.
         deterministic: Triton backward with a separate dQ pass (reproducible bit for bit); False lets
             the dK/dV pass accumulate dQ with atomics (one recomputation fewer). The PyTorch path is
-            always deterministic.
+            always deterministic; the CuTe path never is (FA4 has no deterministic block-sparse
+            backward on Hopper; logged once).
     Returns:
         ``out [B, Hq, Nq, Dv]`` in q's dtype (and ``lse``). Rows that see no key give 0 (lse -inf)
         and no NaN in any gradient.
@@ -209,7 +219,11 @@ def flashmask_attention(
                                   ("attn_mask", attn_mask is not None), ("is_causal", bool(is_causal))) if given]
     if len(sources) > 1:
         raise ValueError(f"mask: expected at most one of fms/fme, mask, attn_mask, is_causal, got {sources}")
-    impl = _resolve_impl(impl, q.device)
+    requested, impl = impl, _resolve_impl(impl, q.device)
+    if impl == "cute" and (why := _LOADED["cute"].unsupported(q, v)):
+        if requested != "auto":
+            raise ValueError(why)
+        impl = _resolve_impl("triton", q.device)  # dtypes or head dims FA4 has no kernel for
 
     dense_rows = None
     if attn_mask is not None:

@@ -29,6 +29,10 @@ def default_impl(device: torch.device) -> str:
 
 
 def forward(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, impl: str = "torch"):
+    if impl == "cute":
+        from fm_parallel.kernels.cute_flashmask import cute_fwd
+
+        return cute_fwd(q, k, v, mask, positions, scale)
     if impl == "triton":
         from fm_parallel.kernels.triton_flashmask import flashmask_fwd
 
@@ -39,6 +43,10 @@ def forward(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, imp
 
 
 def backward(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, impl: str = "torch", dlse=None):
+    if impl == "cute":
+        from fm_parallel.kernels.cute_flashmask import cute_bwd
+
+        return cute_bwd(q, k, v, out, lse, dout, mask, positions, scale, dlse, deterministic=False)
     if impl == "triton":
         from fm_parallel.kernels.triton_flashmask import flashmask_bwd
 

@@ -30,7 +30,7 @@ from fm_parallel.kernels.fa4_sparsity import fa4_block_sparsity, fa4_tile_shape
 from fm_parallel.kernels.custom_op import define_attention_op
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["attention", "cute_fwd", "cute_bwd", "supports"]
+__all__ = ["attention", "cute_fwd", "cute_bwd", "supports", "unsupported"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
 log = logging.getLogger("fm_parallel")
@@ -42,15 +42,14 @@ def supports(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def check_inputs(q: torch.Tensor, v: torch.Tensor) -> None:
-    """``ValueError`` for what FA4's SM90 kernels cannot run (the caller may fall back to Triton)."""
+def unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why FA4's SM90 kernels cannot run these inputs (``impl="auto"`` then uses Triton), or None."""
     if q.dtype not in _DTYPES:
-        raise ValueError(f"q: impl='cute' expects float16 or bfloat16, got {q.dtype}")
+        return f"q: impl='cute' expects float16 or bfloat16, got {q.dtype}"
     for name, dim in (("q", q.shape[-1]), ("v", v.shape[-1])):
         if dim % 8 or not 8 <= dim <= 256:
-            raise ValueError(f"{name}: impl='cute' expects a head dim in [8, 256] divisible by 8, got {dim}")
-    if not supports(q.device):
-        raise ValueError(f"q: impl='cute' runs on Hopper GPUs (compute capability 9.x), got {q.device}")
+            return f"{name}: impl='cute' expects a head dim in [8, 256] divisible by 8, got {dim}"
+    return None
 
 
 def _bshd(t: torch.Tensor) -> torch.Tensor:
@@ -125,6 +124,6 @@ _attention = define_attention_op("flashmask_cute", cute_fwd, cute_bwd)
 
 def attention(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None,
               deterministic: bool = True):
-    """Differentiable FlashMask attention on FA4's kernels (``fm_parallel::flashmask_cute_fwd``)."""
-    check_inputs(q, v)
+    """Differentiable FlashMask attention on FA4's kernels (``fm_parallel::flashmask_cute_fwd``);
+    inputs validated by the caller, :func:`unsupported` included."""
     return _attention(q, k, v, mask, positions, scale, q_offset, deterministic)

@@ -85,6 +85,30 @@ def test_explicit_impl_is_honoured_or_raises(monkeypatch):
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_auto_on_cuda_prefers_a_cute_backend_that_supports_the_device(monkeypatch):
+    """The choice only (no GPU here): backends are stand-ins; ``torch.device("cuda")`` needs no GPU."""
+    import types
+
+    from fm_parallel import attention
+
+    cuda = torch.device("cuda")
+    hopper = types.SimpleNamespace(supports=lambda device: True)
+    other_gpu = types.SimpleNamespace(supports=lambda device: False)
+    triton = types.SimpleNamespace()
+    monkeypatch.setattr(attention, "_LOADED", {"cute": hopper, "triton": triton})
+    assert attention._resolve_impl("auto", cuda) == "cute"
+    monkeypatch.setattr(attention, "_LOADED", {"cute": other_gpu, "triton": triton})
+    assert attention._resolve_impl("auto", cuda) == "triton"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA A100")
+    with pytest.raises(ValueError, match="impl: 'cute' does not run on NVIDIA A100 .*needs a Hopper GPU"):
+        attention._resolve_impl("cute", cuda)
+    monkeypatch.setattr(attention, "_LOADED", {"triton": triton})
+    monkeypatch.setitem(attention._BACKENDS, "cute", "fm_parallel_no_such_module")  # the [cute] extra missing
+    assert attention._resolve_impl("auto", cuda) == "triton"
+    with pytest.raises(ValueError, match="impl: 'cute' is not available here"):
+        attention._resolve_impl("cute", cuda)
+
+
 def _bad_inputs():
     q, k, v = (torch.randn(1, 4, 16, 8) for _ in range(3))
     k2, v2 = torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)

@@ -176,7 +176,8 @@ def ring_attention(
         mask: the full mask (``N`` key columns, global rows), the same on every rank.
         plan: from :func:`fm_parallel.distributed.shard`, the same on every rank.
         group: the context-parallel process group (default: the world).
-        impl: local kernel, ``"triton"`` or ``"torch"`` (default: Triton on CUDA, else PyTorch).
+        impl: local kernel, ``"cute"`` (Hopper, the [cute] extra), ``"triton"`` or ``"torch"`` (default: Triton on
+            CUDA, else PyTorch).
         stats: filled with this rank's transfers posted and skipped, bytes sent and visible pairs.
     Returns:
         ``[B, Hq, N / P, Dv]``: this rank's rows of the attention output. Differentiable.

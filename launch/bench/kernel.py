@@ -121,6 +121,31 @@ def prep_ms(name: str, n: int, d: int) -> dict:
             "plans_dense_ms": 1e3 * (t4 - t3)}
 
 
+def mask_churn(n: int, heads: int, impl: str, calls: int = 100) -> dict:
+    """Seconds for ``calls`` forward+backward calls that each get a *different* packed-doc mask (new
+    lengths, fresh tensors: block lists rebuilt, no kernel may recompile) vs the same mask every
+    call. Masks are built before the clock starts; their preparation inside the call is counted."""
+    from tqdm import tqdm
+
+    fresh = [masks.document(doc_lengths(n, seed=100 + i)).to("cuda") for i in range(calls)]
+    q, k, v = (torch.randn(1, heads, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+
+    def run(mask_for_call) -> float:
+        flashmask_attention(q, k, v, mask=fresh[0], impl=impl).backward(do)  # compile / warm up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in tqdm(range(calls), desc=f"{impl} {'new' if mask_for_call(1) is not fresh[0] else 'same'} masks",
+                      leave=False):
+            flashmask_attention(q, k, v, mask=mask_for_call(i), impl=impl).backward(do)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    same = run(lambda i: fresh[0])
+    new = run(lambda i: fresh[i])
+    return {"impl": impl, "n": n, "calls": calls, "same_mask_s": same, "new_masks_s": new, "ratio": new / same}
+
+
 def run_case(name, n, heads, d, impls, quick, peers) -> list[dict]:
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -135,6 +160,9 @@ def run_case(name, n, heads, d, impls, quick, peers) -> list[dict]:
     ours = lambda: flashmask_attention(q, k, v, mask=fm, impl="triton")  # noqa: E731
     if "triton" in impls:
         rows.append(measure("fm_triton", ours, q, k, v, do, pairs, heads, d, quick))
+    if "cute" in impls:  # FA4's CuTe kernels with our block sparsity and mask_mod (issue 5)
+        cute = lambda: flashmask_attention(q, k, v, mask=fm, impl="cute")  # noqa: E731
+        rows.append(measure("fm_cute", cute, q, k, v, do, pairs, heads, d, quick))
     if "triton_atomic" in impls:  # backward with dQ accumulated by float32 atomics in the dK/dV pass
         atomic = lambda: flashmask_attention(q, k, v, mask=fm, impl="triton", deterministic=False)  # noqa: E731
         rows.append(measure("fm_triton_atomic_dq", atomic, q, k, v, do, pairs, heads, d, quick))
@@ -224,6 +252,7 @@ def main() -> None:
     parser.add_argument("--extra-dims-at", type=int, default=32768, help="also run D=64 and 256 at this N (0: no)")
     parser.add_argument("--long", type=int, nargs="*", default=[262144, 524288, 1048576], help="packed-doc lengths, ours and Flex only")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--churn", type=int, nargs="*", default=[], help="also time 100 new masks vs 100 same-mask calls at these N")
     parser.add_argument("--tag", default="kernel_h200")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
@@ -245,13 +274,18 @@ def main() -> None:
             print(" ".join(f"{k_}={v_:.4g}" if isinstance(v_, float) else f"{k_}={v_}" for k_, v_ in r.items()), flush=True)
             stream.write(json.dumps(r) + "\n")
             stream.flush()
+    churn = []
+    for n in args.churn:
+        for impl in [i for i in ("cute", "triton") if i in args.impls]:
+            churn.append(mask_churn(n, args.heads, impl))
+            print(json.dumps(churn[-1]), flush=True)
     for n in sorted({n for _, n, _ in cases}):
         prep.append(dict(mask="docs", n=n, **prep_ms("docs", n, 128)))
         print(json.dumps(prep[-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python launch/bench/kernel.py " + " ".join(sys.argv[1:]), "torch": torch.__version__,
             "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
-    (args.out / f"{args.tag}.json").write_text(json.dumps({"meta": meta, "rows": rows, "prep": prep}, indent=1))
+    (args.out / f"{args.tag}.json").write_text(json.dumps({"meta": meta, "rows": rows, "prep": prep, "churn": churn}, indent=1))
     md = table(rows)
     (args.out / f"{args.tag}.md").write_text(f"`{meta['command']}` on {meta['device']}, {meta['date']}\n\n{md}\n")
     print(md)

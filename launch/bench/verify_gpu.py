@@ -1,0 +1,136 @@
+"""GPU correctness of the kernels against the float64 reference: outputs, lse and dq / dk / dv.
+
+    python launch/bench/verify_gpu.py                    # impl cute and triton, every mask family
+    python launch/bench/verify_gpu.py --impls cute --json $OUT/verify_gpu.json
+
+For each case: one forward with ``return_lse=True`` and a backward of ``(out * dout).sum() + (lse *
+dlse).sum()`` over the finite lse rows (so the lse gradient path, which the ring merge uses, is
+checked too), compared with :func:`fm_parallel.reference.reference_attention` in float64 on the same
+GPU. Error measure: ``||x - ref|| / ||ref||`` per tensor (bf16 limit 8e-3, fp16 1.5e-3); lse: max
+absolute error on finite rows and exact -inf rows where the reference row sees no key.
+
+Cases: every mask family (causal, packed docs with empty rows, bidirectional docs, DPO, reward model,
+prefix-LM, sliding window + sinks, a multi-interval union) at an odd N, GQA (8 query / 2 KV heads),
+head dims 64 / 128 / 256, fp16 and bf16, masks per batch row and per head, and a query chunk with a
+row offset (Nq != Nk, what ring attention runs). Prints PASS / FAIL per case; exits 1 on any FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from fm_parallel import FlashMask, flashmask_attention, masks  # noqa: E402
+from fm_parallel.reference import reference_attention  # noqa: E402
+
+LIMITS = {torch.bfloat16: 8e-3, torch.float16: 1.5e-3}  # ~5x the rounding error of bf16 / fp16 outputs
+DEVICE = "cuda"  # --device cpu with --impls torch dry-runs the script itself
+
+
+def families(n: int) -> dict[str, FlashMask]:
+    """The mask families of the kernel issue, sized for ``n`` rows (several 128-row tiles, ragged)."""
+    third = n // 3
+    return {
+        "causal": masks.causal(n),
+        "docs_with_padding": masks.document([third, 0, third + 7, n // 5], n=n),  # padding rows see nothing
+        "docs_bidirectional": masks.document([n // 2, n - n // 2], causal=False),
+        "dpo": masks.dpo(n // 2, n // 4, n - n // 2 - n // 4),
+        "reward_model": masks.preference(n // 4, [n // 4, n // 4, n - 3 * (n // 4)]),
+        "prefix_lm_docs": masks.prefix_lm(prefix_len=[n // 8, 40], lengths=[n // 2, n - n // 2]),
+        "sliding_window_sinks": masks.sliding_window(n, 300, sinks=4),
+        # packed docs whose last 200 rows also read every earlier token (a summary): 2 intervals per column
+        "multi_interval": masks.union(masks.document([third, third, n - 2 * third]),
+                                      masks.intersect(masks.causal(n), masks.FlashMask(
+                                          torch.full((n,), n - 200), torch.full((n,), n - 1)))),
+    }
+
+
+def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.detach().double() - ref.detach()).norm() / ref.detach().norm().clamp_min(1e-30))
+
+
+def check(impl, mask, b, hq, hkv, nq, d, dtype, q_offset=0, seed=0) -> dict:
+    """Run one case; returns the errors and PASS / FAIL."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    nk = mask.num_keys
+    q = torch.randn(b, hq, nq, d, device=DEVICE, dtype=dtype, generator=g).requires_grad_()
+    k = torch.randn(b, hkv, nk, d, device=DEVICE, dtype=dtype, generator=g).requires_grad_()
+    v = torch.randn(b, hkv, nk, d, device=DEVICE, dtype=dtype, generator=g).requires_grad_()
+    dout = torch.randn(b, hq, nq, d, device=DEVICE, dtype=dtype, generator=g)
+    dlse = torch.randn(b, hq, nq, device=DEVICE, generator=g)
+    rows = torch.arange(q_offset, q_offset + nq, device=DEVICE)
+
+    def loss(out, lse):
+        finite = torch.isfinite(lse)
+        return (out.float() * dout.float()).sum() + (torch.where(finite, lse, torch.zeros_like(lse)) * dlse).sum()
+
+    out, lse = flashmask_attention(q, k, v, mask=mask, q_offset=q_offset, impl=impl, return_lse=True)
+    grads = torch.autograd.grad(loss(out, lse), (q, k, v))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = reference_attention(q64, k64, v64, mask, q_positions=rows)
+    ref_grads = torch.autograd.grad(loss(ref_out, ref_lse), (q64, k64, v64))
+
+    finite = torch.isfinite(ref_lse)
+    result = {"out": rel(out, ref_out), **{n: rel(x, r) for n, x, r in zip(("dq", "dk", "dv"), grads, ref_grads)}}
+    result["lse_max_abs"] = float((lse.detach().double() - ref_lse.detach())[finite].abs().max()) if finite.any() else 0.0
+    result["empty_rows_ok"] = bool(torch.equal(torch.isfinite(lse), finite))
+    result["nan"] = any(bool(torch.isnan(t).any()) for t in (out, lse, *grads))
+    limit = LIMITS[dtype]
+    ok = (all(result[n] < limit for n in ("out", "dq", "dk", "dv")) and result["lse_max_abs"] < 50 * limit
+          and result["empty_rows_ok"] and not result["nan"])
+    return {**result, "status": "PASS" if ok else "FAIL"}
+
+
+def cases(n: int):
+    """(name, mask, batch, Hq, Hkv, Nq, D, dtype, q_offset)."""
+    for name, m in families(n).items():
+        yield name, m.to(DEVICE), 1, 8, 2, n, 128, torch.bfloat16, 0
+    docs = families(n)["docs_with_padding"].to(DEVICE)
+    for d in (64, 256):
+        yield f"docs_with_padding D={d}", docs, 1, 8, 2, n, d, torch.bfloat16, 0
+    yield "docs_with_padding fp16", docs, 1, 8, 2, n, 128, torch.float16, 0
+    yield "dpo ring chunk (Nq = N/3 at row N/3)", families(n)["dpo"].to(DEVICE), 1, 8, 2, n // 3, 128, torch.bfloat16, n // 3
+    per_batch = masks.stack([families(n)["dpo"], families(n)["sliding_window_sinks"]]).to(DEVICE)
+    yield "mask per batch row (B=2)", per_batch, 2, 8, 2, n, 128, torch.bfloat16, 0
+    two = masks.stack([families(n)["causal"], families(n)["sliding_window_sinks"]])  # [2, 1, N, M]
+    per_kv_head = FlashMask(two.fms.transpose(0, 1), two.fme.transpose(0, 1), n).to(DEVICE)  # [1, 2, N, M]
+    yield "mask per KV head (Hm=2)", per_kv_head, 1, 8, 2, n, 128, torch.bfloat16, 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--impls", nargs="+", default=["cute", "triton"])
+    parser.add_argument("--n", type=int, default=1001, help="sequence length (odd: ragged tiles)")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    print("device", torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "torch", torch.__version__, flush=True)
+    rows, failed = [], 0
+    for impl in args.impls:
+        for name, mask, b, hq, hkv, nq, d, dtype, q_offset in cases(args.n):
+            try:
+                r = check(impl, mask, b, hq, hkv, nq, d, dtype, q_offset)
+            except Exception as e:  # a case that cannot run is a failure, reported with its reason
+                r = {"status": "FAIL", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+            r = {"impl": impl, "case": name, **r}
+            rows.append(r)
+            failed += r["status"] != "PASS"
+            detail = r.get("error") or " ".join(f"{k}={r[k]:.2e}" for k in ("out", "dq", "dk", "dv", "lse_max_abs"))
+            print(f"{r['status']}  {impl:6s} {name:40s} {detail}", flush=True)
+    print(f"{len(rows) - failed}/{len(rows)} PASS")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=1))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
