@@ -157,3 +157,17 @@ def test_train_context_searches_with_fresh_trainer_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads((tmp_path / "train_context_tiny_ring_x2.json").read_text())["rows"][0]
     assert not row["fits"] and "expected a length divisible by" in row["reason"]
+
+
+def test_gpu_verification_script_runs_its_cases_on_the_cpu(tmp_path):
+    """verify_gpu.py's own logic (cases, reference, limits, JSON), dry-run with the PyTorch path so a GPU
+    session never finds it broken."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "bench" / "verify_gpu.py"), "--device", "cpu", "--impls", "torch",
+         "--n", "301", "--json", str(tmp_path / "v.json")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "v.json").read_text())
+    assert len(rows) == 14 and all(r["status"] == "PASS" for r in rows)
+    assert {"out", "dq", "dk", "dv", "lse_max_abs"} <= set(rows[0])
