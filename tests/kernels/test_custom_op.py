@@ -1,0 +1,59 @@
+"""The custom-op wiring every GPU backend shares (kernels/custom_op.py), driven here by the PyTorch
+launchers so it runs on the CPU: schema and fake implementation (torch.library.opcheck), gradients
+of the output and of the lse against the float64 reference, and the mask registry."""
+
+import torch
+
+from fm_parallel import launchers, masks
+from fm_parallel.kernels import custom_op
+from fm_parallel.reference import reference_attention
+from tests.helpers import assert_matches_reference, qkv
+
+
+def _fwd(q, k, v, mask, positions, scale, q_offset):
+    return launchers.forward(q, k, v, mask, positions, scale, "torch")
+
+
+def _bwd(q, k, v, out, lse, dout, mask, positions, scale, dlse, q_offset, deterministic):
+    return launchers.backward(q, k, v, out, lse, dout, mask, positions, scale, "torch", dlse)
+
+
+attention = custom_op.define_attention_op("test_blockwise", _fwd, _bwd)
+
+
+def test_output_and_gradients_match_the_reference_through_the_op():
+    q, k, v = qkv(1, 4, 2, 70, 16, torch.float32, seed=5)
+    m = masks.dpo(30, 20, 20)
+    rows = torch.arange(70)
+    assert_matches_reference(lambda: attention(q, k, v, m, rows, 0.25, 0)[0].to(q.dtype), q, k, v, m)
+
+
+def test_lse_gradient_flows_through_the_op():
+    """The ring merge differentiates the lse: its gradient must reach q and k through the op."""
+    q, k, v = qkv(1, 2, 1, 40, 8, torch.float64, seed=2)
+    m = masks.sliding_window(40, 7, sinks=2)
+    rows = torch.arange(10, 40)
+    q = q[:, :, 10:].detach().requires_grad_()
+    weights = torch.randn(1, 2, 30, dtype=torch.float64)
+    _, lse = attention(q, k, v, m, rows, 0.3, 10)
+    got = torch.autograd.grad((lse * weights).sum(), (q, k))
+    q64, k64 = (t.detach().requires_grad_() for t in (q, k))
+    _, ref_lse = reference_attention(q64, k64, v.detach(), m, scale=0.3, q_positions=rows)
+    want = torch.autograd.grad((ref_lse * weights).sum(), (q64, k64))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_opcheck_schema_fake_and_autograd_registration():
+    q, k, v = qkv(1, 2, 1, 24, 8, torch.float32, seed=3)
+    m = masks.document([10, 14])
+    op = torch.ops.fm_parallel.test_blockwise_fwd.default
+    torch.library.opcheck(op, (q, k, v, m.fms, m.fme, torch.arange(24), 24, 0.3, 0, True))
+
+
+def test_registry_returns_the_same_mask_until_the_bounds_change_in_place():
+    m = masks.causal(16)
+    a = custom_op.registered_mask(m.fms, m.fme, 16)
+    assert custom_op.registered_mask(m.fms, m.fme, 16) is a  # its launch-metadata cache survives
+    m.fme.add_(0)  # an in-place edit bumps the version counter
+    assert custom_op.registered_mask(m.fms, m.fme, 16) is not a
