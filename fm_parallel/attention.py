@@ -111,6 +111,9 @@ def _dense_mask(attn_mask, b, hq, hkv, nq, nk, device) -> torch.Tensor:
 
 _BACKENDS = {"triton": "fm_parallel.kernels.triton_flashmask", "cute": "fm_parallel.kernels.cute_flashmask"}
 _LOADED: dict = {}  # backend name -> module, filled by _resolve_impl so the hot path is a dict lookup
+# What impl="auto" tries on CUDA, in order. "cute" goes first once launch/bench/verify_gpu.py has passed
+# on the H200 (issue 5): until then an untested backend must not become anyone's default.
+AUTO_ORDER_CUDA = ("triton",)
 
 
 def _load(impl: str):
@@ -143,7 +146,7 @@ def _resolve_impl(impl: str, device: torch.device) -> str:
         return impl
     if impl == "auto":
         if device.type == "cuda":
-            for name in ("cute", "triton"):
+            for name in AUTO_ORDER_CUDA:
                 try:
                     if _supports(_load(name), device):
                         return name
@@ -191,10 +194,10 @@ def flashmask_attention(
         scale: softmax scale, default ``1 / sqrt(D)``.
         q_offset: global row of the first query when ``q`` is a slice of the sequence.
         q_positions: ``[Nq]`` global row of each query instead (zigzag shards).
-        impl: ``"auto"`` (on CUDA: ``"cute"`` on Hopper with the ``[cute]`` extra installed and
-            fp16/bf16 inputs with head dims FA4 supports, else ``"triton"``; elsewhere the PyTorch
-            path), ``"cute"`` (FlashAttention-4's kernels), ``"triton"``, ``"torch"`` or ``"dense"``.
-            An explicit choice is honoured or raises, saying what is missing.
+        impl: ``"auto"`` (on CUDA the first of ``AUTO_ORDER_CUDA`` that is installed, runs on the
+            device and takes the inputs — Triton for now; elsewhere the PyTorch path), ``"cute"``
+            (FlashAttention-4's kernels, Hopper, the ``[cute]`` extra), ``"triton"``, ``"torch"`` or
+            ``"dense"``. An explicit choice is honoured or raises, saying what is missing.
         return_lse: also return the log-sum-exp ``[B, Hq, Nq]`` float32 (natural log).
         block_size: tile size of the PyTorch path.
         deterministic: Triton backward with a separate dQ pass (reproducible bit for bit); False lets

@@ -92,6 +92,8 @@ def test_auto_on_cuda_prefers_a_cute_backend_that_supports_the_device(monkeypatc
     from fm_parallel import attention
 
     cuda = torch.device("cuda")
+    assert attention.AUTO_ORDER_CUDA[-1] == "triton"
+    monkeypatch.setattr(attention, "AUTO_ORDER_CUDA", ("cute", "triton"))  # the order once cute is verified
     hopper = types.SimpleNamespace(supports=lambda device: True)
     other_gpu = types.SimpleNamespace(supports=lambda device: False)
     triton = types.SimpleNamespace()
