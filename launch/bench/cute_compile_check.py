@@ -23,7 +23,6 @@ os.environ.setdefault("FLASH_ATTENTION_ARCH", "sm_90")
 os.environ.setdefault("FLASH_ATTENTION_NUM_SMS", "132")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -31,6 +30,8 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from launch.bench.verdict import finish  # noqa: E402
 
 # (name, head dim, dtype, batch, Hq, Hkv, mask batch, mask heads, intervals, Nq, Nk, q_offset)
 CASES = [
@@ -126,7 +127,7 @@ def main() -> None:
     args = parser.parse_args()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    rows, failed = [], 0
+    rows = []
     for case in CASES:
         if args.only and args.only not in case[0]:
             continue
@@ -144,16 +145,11 @@ def main() -> None:
             row["status"] = "PASS" if row["recompiled_for_new_mask"] == 0 else "FAIL"
         except Exception as e:  # reported per case; the exit code says whether any failed
             row["status"], row["error"] = "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        failed += row["status"] != "PASS"
         rows.append(row)
         detail = row.get("error") or (f"{row['compile_s']:6.1f} s, {row['kernels_compiled']} kernels, "
                                       f"{row['recompiled_for_new_mask']} more for a new mask of the class")
         print(f"{row['status']}  {case[0]:38s} {detail}", flush=True)
-    print(f"{len(rows) - failed}/{len(rows)} PASS")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=1))
-    sys.exit(1 if failed else 0)
+    finish(rows, args.json)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,14 @@ row offset (Nq != Nk, what ring attention runs). Prints PASS / FAIL per case; ex
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from launch.bench.verdict import finish  # noqa: E402
 
 from fm_parallel import FlashMask, flashmask_attention, masks  # noqa: E402
 from fm_parallel.reference import reference_attention  # noqa: E402
@@ -113,7 +114,7 @@ def main() -> None:
     global DEVICE
     DEVICE = args.device
     print("device", torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "torch", torch.__version__, flush=True)
-    rows, failed = [], 0
+    rows = []
     for impl in args.impls:
         for name, mask, b, hq, hkv, nq, d, dtype, q_offset in cases(args.n):
             try:
@@ -122,14 +123,9 @@ def main() -> None:
                 r = {"status": "FAIL", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
             r = {"impl": impl, "case": name, **r}
             rows.append(r)
-            failed += r["status"] != "PASS"
             detail = r.get("error") or " ".join(f"{k}={r[k]:.2e}" for k in ("out", "dq", "dk", "dv", "lse_max_abs"))
             print(f"{r['status']}  {impl:6s} {name:40s} {detail}", flush=True)
-    print(f"{len(rows) - failed}/{len(rows)} PASS")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=1))
-    sys.exit(1 if failed else 0)
+    finish(rows, args.json)
 
 
 if __name__ == "__main__":
