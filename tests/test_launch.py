@@ -95,7 +95,7 @@ def test_trainer_attention_benchmark_runs_on_the_cpu(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "trainer_h200.json").read_text())["rows"]
-    assert [(r["attention"], r["fits"]) for r in rows] == [("flashmask", True), ("sdpa", True)]
+    assert [(r["attention"], r["fits"]) for r in rows] == [("flashmask", True), ("sdpa", True)], rows
     # The same training run, attention computed two ways: the same losses.
     assert rows[0]["losses"] == pytest.approx(rows[1]["losses"], rel=1e-4)
 

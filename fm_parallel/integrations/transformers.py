@@ -3,7 +3,7 @@
     from fm_parallel.integrations import transformers as fm_hf
     name = fm_hf.register()                                   # "fm_parallel"; idempotent
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name)
-    out = model(input_ids, flashmask=mask)                    # or fms=..., fme=...
+    out = model(input_ids, flashmask=mask)                    # or fms=..., fme=...; fm_impl="triton" etc.
     out = model(ids_local, position_ids=plan.position_ids(rank), flashmask=mask,
                 fm_context=ContextParallel("ring", plan))     # context parallel
 
@@ -67,10 +67,12 @@ def attention_forward(
     fms: torch.Tensor | None = None,
     fme: torch.Tensor | None = None,
     fm_context=None,
+    fm_impl: str = "auto",
     **kwargs,
 ):
     """transformers attention function: ``query [B, Hq, S, D]``, ``key/value [B, Hkv, S, D]`` ->
-    ``(out [B, S, Hq, D], None)``."""
+    ``(out [B, S, Hq, D], None)``. ``fm_impl``: the kernel without context parallelism (as
+    ``flashmask_attention``'s ``impl``); a ``fm_context`` brings its own."""
     if dropout:
         raise ValueError(f"dropout: expected 0.0 (attention dropout is not supported), got {dropout}")
     if flashmask is None and fms is not None:
@@ -86,7 +88,7 @@ def attention_forward(
             raise ValueError("attention_mask: padding under context parallelism must be in the FlashMask, got a 2-D mask")
         flashmask = _with_padding(flashmask, attention_mask)
     if fm_context is None:
-        out = flashmask_attention(query, key, value, mask=flashmask, scale=scaling)
+        out = flashmask_attention(query, key, value, mask=flashmask, scale=scaling, impl=fm_impl)
     else:
         out = fm_context.attention(query, key, value, flashmask, scale=scaling)
     return out.transpose(1, 2).contiguous(), None

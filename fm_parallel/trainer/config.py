@@ -65,7 +65,7 @@ class ParallelConfig:
     cp_degree: int = -1  # -1: every rank (no data parallelism)
     ulysses_degree: int = 1  # the Ulysses part of hybrid
     balance: str = "zigzag"  # contiguous | zigzag | mask
-    impl: str = ""  # local kernel; empty: Triton on CUDA, PyTorch on CPU
+    impl: str = ""  # attention kernel (cute | triton | torch), with or without CP; empty: automatic
 
 
 @dataclass
@@ -151,4 +151,6 @@ def load_config(argv: list[str] | None = None, environ: dict | None = None) -> C
         raise ValueError(f"model.attention: expected flashmask, sdpa or flex, got {cfg.model.attention!r}")
     if cfg.parallel.cp not in ("ring", "ulysses", "hybrid", "none"):
         raise ValueError(f"parallel.cp: expected ring, ulysses, hybrid or none, got {cfg.parallel.cp!r}")
+    if cfg.parallel.impl not in ("", "auto", "cute", "triton", "torch"):
+        raise ValueError(f"parallel.impl: expected cute, triton, torch or empty (automatic), got {cfg.parallel.impl!r}")
     return cfg

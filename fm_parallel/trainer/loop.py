@@ -106,7 +106,7 @@ def _build_model(cfg: Config, vocab_size: int, device):
 
 
 # ---------------------------------------------------------------------- loss
-def _hidden(model, ids, positions, mask, ctx):
+def _hidden(model, ids, positions, mask, ctx, impl: str):
     base = model.get_base_model()
     attention = base.config._attn_implementation
     if attention == "sdpa":  # the dense baseline: an N x N boolean mask, as a user without FlashMask would build
@@ -116,7 +116,8 @@ def _hidden(model, ids, positions, mask, ctx):
 
         block = to_block_mask(mask, _compile=ids.device.type == "cuda")
         return base.model(input_ids=ids, position_ids=positions, attention_mask=block).last_hidden_state
-    return base.model(input_ids=ids, position_ids=positions, flashmask=mask, fm_context=ctx).last_hidden_state
+    kernel = {"fm_context": ctx} if ctx is not None else {"fm_impl": impl}  # under CP the context picks it
+    return base.model(input_ids=ids, position_ids=positions, flashmask=mask, **kernel).last_hidden_state
 
 
 def _chunked(head, hidden, labels, chunk: int, fn):
@@ -136,9 +137,9 @@ def _token_logps(logits, labels):
     return torch.where(labels >= 0, logp, torch.zeros_like(logp))
 
 
-def _response_logps(model, ids, positions, mask, ctx, labels, segment, sample, n_samples, chunk):
+def _response_logps(model, ids, positions, mask, ctx, impl, labels, segment, sample, n_samples, chunk):
     """``[n_samples, 2]``: summed log-probs of each sample's chosen and rejected tokens (this rank's part)."""
-    hidden = _hidden(model, ids, positions, mask, ctx)
+    hidden = _hidden(model, ids, positions, mask, ctx, impl)
     head = model.get_base_model().lm_head
     slot = torch.where(labels[0] >= 0, sample[0] * 2 + (segment[0] - 1), torch.full_like(sample[0], 2 * n_samples))
 
@@ -328,13 +329,14 @@ def _row_loss(cfg: Config, model, row: Row, mode, group, mesh, cp: int, cp_rank:
         ctx = ContextParallel(mode, plan, group=None if mode == "hybrid" else group,
                               mesh=group if mode == "hybrid" else None, impl=cfg.parallel.impl or None)
         ids, labels, positions, segment, sample = (plan.shard(t, cp_rank, dim=1) for t in (ids, labels, positions, segment, sample))
+    impl = cfg.parallel.impl or "auto"
     if cfg.data.objective == "sft":
-        hidden = _hidden(model, ids, positions, mask, ctx)
+        hidden = _hidden(model, ids, positions, mask, ctx, impl)
         head = model.get_base_model().lm_head
         return _chunked(head, hidden, labels, cfg.training.loss_chunk,
                         lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum"))
     n_samples = int(row.sample.max()) + 1
-    args = (ids, positions, mask, ctx, labels, segment, sample, n_samples, cfg.training.loss_chunk)
+    args = (ids, positions, mask, ctx, impl, labels, segment, sample, n_samples, cfg.training.loss_chunk)
     policy = _response_logps(model, *args)
     with torch.no_grad(), model.disable_adapter():
         reference = _response_logps(model, *args)

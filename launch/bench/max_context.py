@@ -131,7 +131,7 @@ def _step(model, impl: str, n: int, device, args) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    hidden = _hidden(model, ids, torch.arange(n, device=device).view(1, n), mask, None)
+    hidden = _hidden(model, ids, torch.arange(n, device=device).view(1, n), mask, None, "auto")
     head = model.get_base_model().lm_head
     loss = _chunked(head, hidden, labels, args.loss_chunk,
                     lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")) / n

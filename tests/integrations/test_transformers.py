@@ -39,6 +39,19 @@ def test_matches_sdpa_causal_documents_and_padding():
     torch.testing.assert_close(ours(ids, attention_mask=pad).logits[0, :33], ref(ids, attention_mask=pad).logits[0, :33], rtol=0, atol=1e-12)
 
 
+def test_the_kernel_is_chosen_per_call_through_fm_impl():
+    from fm_parallel import masks
+    from fm_parallel.integrations import transformers as fm_hf
+
+    model = tiny_llama(fm_hf.register()).eval()
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    mask = masks.document([15, 25])
+    blockwise = model(ids, flashmask=mask, fm_impl="torch").logits
+    torch.testing.assert_close(model(ids, flashmask=mask, fm_impl="dense").logits, blockwise, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="impl: 'cute' needs CUDA tensors, got device cpu"):
+        model(ids, flashmask=mask, fm_impl="cute")  # reached flashmask_attention, which refused it
+
+
 def test_bad_name_and_dropout():
     from fm_parallel.integrations import transformers as fm_hf
 

@@ -133,7 +133,7 @@ def _saved_bytes_per_token(tile_chunk: int, n: int = 1024, dtype: str = "float32
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        _hidden(model, torch.randint(0, 258, (1, n)), torch.arange(n).view(1, n), masks.causal(n), None)
+        _hidden(model, torch.randint(0, 258, (1, n)), torch.arange(n).view(1, n), masks.causal(n), None, "auto")
     return sum(b for b in seen.values() if b >= n * 64 * 4 // 4) / n / 2  # tensors of at least N x hidden/4 values
 
 
