@@ -36,10 +36,14 @@ __all__ = ["main", "train"]
 def _init_distributed() -> None:
     if dist.is_initialized():
         return
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "WORLD_SIZE" in os.environ:  # launched by torchrun: its rendezvous
+        dist.init_process_group(backend)
+        return
+    # A plain `python` run is one process: an in-memory store, no TCP port that another job could hold.
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _layout(cfg: Config):
