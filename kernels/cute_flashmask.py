@@ -26,7 +26,7 @@ import torch
 from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
 from fm_parallel.kernels.cute_mask_mod import flashmask_mask_mod
-from fm_parallel.kernels.fa4_sparsity import fa4_block_sparsity, fa4_tile_shape
+from fm_parallel.kernels.fa4_sparsity import fa4_block_sparsity, fa4_tile_shape, pack_bounds
 from fm_parallel.kernels.custom_op import define_attention_op
 from fm_parallel.masks.flashmask import FlashMask
 
@@ -71,10 +71,14 @@ def _sparsity(mask: FlashMask, positions: torch.Tensor, num_heads: int, head_dim
     return mask.cached(("fa4_sparsity", block_q, block_k, num_heads, q_offset, positions.numel()), make)
 
 
-def _mask_args(mask: FlashMask, positions: torch.Tensor, num_heads: int):
-    mask_mod = flashmask_mask_mod(mask.batch == 1, num_heads // mask.heads, mask.max_intervals)
-    aux = [mask.fms.contiguous(), mask.fme.contiguous(), positions.to(torch.int32).contiguous()]
-    return mask_mod, aux
+def _mask_args(mask: FlashMask, positions: torch.Tensor, num_heads: int, q_offset: int | None):
+    """The ``mask_mod`` and its auxiliary tensors: bounds packed in int64 and, for consecutive rows,
+    shifted by the offset (one load per score and interval); for arbitrary rows, also the rows."""
+    explicit = q_offset is None
+    mask_mod = flashmask_mask_mod(mask.batch == 1, num_heads // mask.heads, mask.max_intervals, explicit)
+    offset = 0 if explicit else q_offset
+    bounds = mask.cached(("fa4_bounds", offset), lambda: pack_bounds(mask.fms, mask.fme, offset))
+    return mask_mod, [bounds, positions.to(torch.int32).contiguous()] if explicit else [bounds]
 
 
 def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None):
@@ -82,7 +86,7 @@ def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_
     ``-inf`` and a zero output for rows that see no key)."""
     hq, d = q.shape[1], q.shape[-1]
     fwd_sparsity, _ = _sparsity(mask, positions, hq, d, q_offset)
-    mask_mod, aux = _mask_args(mask, positions, hq)
+    mask_mod, aux = _mask_args(mask, positions, hq, q_offset)
     # Outputs allocated in our layout and handed to FA4 as [B, N, H, D] views: no copies either way.
     out = q.new_empty(*q.shape[:3], v.shape[-1])
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -108,7 +112,7 @@ def cute_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, 
                     "backward on Hopper); use impl='triton' for bitwise-reproducible gradients")
     hq, d = q.shape[1], q.shape[-1]
     _, bwd_sparsity = _sparsity(mask, positions, hq, d, q_offset)
-    mask_mod, aux = _mask_args(mask, positions, hq)
+    mask_mod, aux = _mask_args(mask, positions, hq, q_offset)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     _flash_attn_bwd(
         _bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse.contiguous(), scale,

@@ -2,22 +2,26 @@
 
 FA4 calls ``mask_mod(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors)`` once per score it must
 mask, only inside the tiles that the block-sparsity lists mark partial (fully visible tiles skip it,
-skipped tiles are never visited). Ours reads three auxiliary tensors:
+skipped tiles are never visited). It returns ``OR_m (fms[b, h, j, m] <= row(i) <= fme[b, h, j, m])``,
+the rule of :meth:`fm_parallel.masks.FlashMask.to_dense`, reading:
 
-    aux_tensors[0] = fms   [Bm, Hm, Nk, M] int32   first visible row of each interval
-    aux_tensors[1] = fme   [Bm, Hm, Nk, M] int32   last visible row (inclusive)
-    aux_tensors[2] = rows  [Nq] int32              global row of each local query (q_offset, zigzag)
+    aux_tensors[0] = bounds [Bm, Hm, Nk, M] int64   (fme << 32) | (fms & 0xffffffff), see
+                                                    fa4_sparsity.pack_bounds
+    aux_tensors[1] = rows   [Nq] int32              global row of each local query (explicit rows only)
 
-and returns ``OR_m (fms[b, h, j, m] <= rows[i] <= fme[b, h, j, m])``, the same rule as
-:meth:`fm_parallel.masks.FlashMask.to_dense`. The indices FA4 passes stay in bounds past the last
-tile: with auxiliary tensors it wraps ``q_idx`` / ``kv_idx`` modulo the sequence lengths and masks
-the out-of-range scores itself.
+Loads are what a mask_mod costs: FA4 evaluates it element by element and the compiler does not share
+loads between the elements a thread holds (checked in the PTX: one load per element per tensor).
+So both bounds of an interval come in one 64-bit load, and for consecutive rows (``q_offset``: whole
+masks, ring chunks) the bounds are shifted by the offset beforehand (:func:`.fa4_sparsity.pack_bounds`), making the
+local ``q_idx`` the row: one load per element and interval. Arbitrary rows (zigzag shards) read
+``rows[q_idx]`` as well. The indices FA4 passes stay in bounds past the last tile: with auxiliary
+tensors it wraps ``q_idx`` / ``kv_idx`` modulo the sequence lengths and masks those scores itself.
 
 What is compiled in (the "shape class"): whether the mask has one batch row for all (``Bm == 1``),
-how many query heads share a mask head, and the number of intervals ``M``. Everything else — the
-bounds, the lengths, the rows — is runtime data, so a new mask of the same class reuses the compiled
-kernel. FA4 keys its compile cache on the function's source and closure values, and
-:func:`flashmask_mask_mod` returns the same function object for the same class.
+how many query heads share a mask head, the number of intervals ``M`` and whether rows are explicit.
+Everything else (bounds, lengths, rows, offsets) is runtime data, so a new mask of the same class
+reuses the compiled kernel. FA4 keys its compile cache on the function's source and closure values,
+and :func:`flashmask_mask_mod` returns the same function object for the same class.
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ __all__ = ["flashmask_mask_mod"]
 
 
 @functools.lru_cache(maxsize=None)
-def flashmask_mask_mod(batch_broadcast: bool, q_per_mask_head: int, intervals: int):
+def flashmask_mask_mod(batch_broadcast: bool, q_per_mask_head: int, intervals: int, explicit_rows: bool):
     """The ``mask_mod`` for masks with ``Bm == 1`` (``batch_broadcast``), ``Hq / Hm`` query heads per
-    mask head and ``intervals`` intervals per column (1..4)."""
+    mask head, ``intervals`` intervals per column (1..4), and rows read from ``aux_tensors[1]``
+    (``explicit_rows``) or equal to the local query index (bounds packed with the row offset)."""
     if not 1 <= intervals <= 4:
         raise ValueError(f"intervals: expected 1..4 per column, got {intervals}")
     if q_per_mask_head < 1:
@@ -44,18 +49,18 @@ def flashmask_mask_mod(batch_broadcast: bool, q_per_mask_head: int, intervals: i
 
     @cute.jit
     def flashmask_mod(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
-        fms, fme, rows = aux_tensors[0], aux_tensors[1], aux_tensors[2]
+        bounds = aux_tensors[0]
         b = batch[0] * batch_factor
         h = head[0] // q_per_mask_head  # FA4 passes the query head, also under PackGQA
         j = kv_idx[0]
-        row = fa4_utils.scalar_to_ssa(rows[q_idx[0]], Int32)
-        first = fa4_utils.scalar_to_ssa(fms[b, h, j, 0], Int32)
-        last = fa4_utils.scalar_to_ssa(fme[b, h, j, 0], Int32)
-        visible = (first <= row) & (row <= last)
+        row = q_idx[0]
+        if cutlass.const_expr(explicit_rows):
+            row = aux_tensors[1][q_idx[0]]
+        packed = bounds[b, h, j, 0]
+        visible = (Int32(packed) <= row) & (row <= Int32(packed >> 32))
         for m in cutlass.range_constexpr(1, intervals):
-            first = fa4_utils.scalar_to_ssa(fms[b, h, j, m], Int32)
-            last = fa4_utils.scalar_to_ssa(fme[b, h, j, m], Int32)
-            visible = visible | ((first <= row) & (row <= last))
-        return visible
+            packed = bounds[b, h, j, m]
+            visible = visible | ((Int32(packed) <= row) & (row <= Int32(packed >> 32)))
+        return fa4_utils.scalar_to_ssa(visible, cutlass.Boolean)
 
     return flashmask_mod

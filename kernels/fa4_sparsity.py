@@ -1,4 +1,5 @@
-"""FlashAttention-4's block-sparsity tensors from a FlashMask, through the shared tile rule.
+"""What FlashAttention-4's kernels take from a FlashMask: block-sparsity tensors (through the shared
+tile rule) and the column bounds packed for the ``mask_mod`` (:func:`pack_bounds`).
 
 FA4's CuTe kernels (``flash_attn.cute``, pinned ``flash-attn-4==4.0.0b36``) take block sparsity as
 dense index lists: per query block, the count and indices of fully visible key blocks (run without
@@ -27,7 +28,18 @@ from fm_parallel.masks.flashmask import FlashMask
 
 from .plan import _classes
 
-__all__ = ["FA4BlockSparsity", "fa4_block_sparsity", "fa4_tile_shape"]
+__all__ = ["FA4BlockSparsity", "fa4_block_sparsity", "fa4_tile_shape", "pack_bounds"]
+
+
+def pack_bounds(fms: torch.Tensor, fme: torch.Tensor, row_offset: int = 0) -> torch.Tensor:
+    """``[Bm, Hm, Nk, M]`` int64 ``((fme - row_offset) << 32) | ((fms - row_offset) & 0xffffffff)``.
+
+    Shifting by ``row_offset`` (the global row of local query 0) lets the kernel compare the local
+    query index directly; empty intervals (``fms > fme``) stay empty. Rows are below 2^31, so the
+    shifted bounds fit in int32."""
+    first = fms.to(torch.int64) - row_offset
+    last = fme.to(torch.int64) - row_offset
+    return ((last << 32) | (first & 0xFFFFFFFF)).contiguous()
 
 
 def fa4_tile_shape(head_dim: int) -> tuple[int, int]:

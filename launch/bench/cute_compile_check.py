@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from launch.bench.verdict import finish  # noqa: E402
 
-# (name, head dim, dtype, batch, Hq, Hkv, mask batch, mask heads, intervals, Nq, Nk, q_offset)
+# (name, head dim, dtype, batch, Hq, Hkv, mask batch, mask heads, intervals, Nq, Nk, q_offset; None: explicit rows)
 CASES = [
     ("d64 docs", 64, torch.bfloat16, 1, 4, 2, 1, 1, 1, 300, 300, 0),
     ("d96 docs", 96, torch.bfloat16, 1, 4, 2, 1, 1, 1, 300, 300, 0),
@@ -47,6 +47,7 @@ CASES = [
     ("d128 2 intervals", 128, torch.bfloat16, 1, 4, 2, 1, 1, 2, 300, 300, 0),
     ("d128 4 intervals", 128, torch.bfloat16, 1, 4, 2, 1, 1, 4, 300, 300, 0),
     ("d128 ring chunk (Nq != Nk, offset)", 128, torch.bfloat16, 1, 4, 2, 1, 1, 1, 128, 384, 256),
+    ("d128 zigzag shard (explicit rows)", 128, torch.bfloat16, 1, 4, 2, 1, 1, 1, 128, 384, None),
 ]
 
 
@@ -107,15 +108,17 @@ def run_case(case, fresh_shape: bool) -> None:
     _allow_fake_semaphores()
 
     _, d, dtype, b, hq, hkv, bm, hm, m, nq, nk, q_offset = case
+    start = q_offset or 0
     if fresh_shape:
-        nq, nk, q_offset = nq + 77, nk + 77 + (q_offset > 0) * 40, q_offset + (q_offset > 0) * 40
+        nq, nk, start = nq + 77, nk + 77 + (start > 0) * 40, start + (start > 0) * 40
+        q_offset = None if q_offset is None else start
     dev = "cuda"
     q = torch.empty(b, hq, nq, d, dtype=dtype, device=dev)
     k = torch.empty(b, hkv, nk, d, dtype=dtype, device=dev)
     v = torch.empty(b, hkv, nk, d, dtype=dtype, device=dev)
     bounds = [torch.empty(bm, hm, nk, m, dtype=torch.int32, device=dev) for _ in range(2)]
-    mask = FlashMask(*bounds, num_rows=max(nk, q_offset + nq), validate=False)
-    positions = torch.arange(q_offset, q_offset + nq, device=dev, dtype=torch.int32)
+    mask = FlashMask(*bounds, num_rows=max(nk, start + nq), validate=False)
+    positions = torch.arange(start, start + nq, device=dev, dtype=torch.int32)
     out, lse = cute_fwd(q, k, v, mask, positions, d**-0.5, q_offset)
     cute_bwd(q, k, v, out, lse, torch.empty_like(out), mask, positions, d**-0.5, None, q_offset)
 

@@ -57,7 +57,8 @@ def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check(impl, mask, b, hq, hkv, nq, d, dtype, q_offset=0, seed=0) -> dict:
-    """Run one case; returns the errors and PASS / FAIL."""
+    """Run one case; returns the errors and PASS / FAIL. ``q_offset``: an int (consecutive rows) or a
+    tensor of ``nq`` global rows (a zigzag shard, passed as ``q_positions``)."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     nk = mask.num_keys
     q = torch.randn(b, hq, nq, d, device=DEVICE, dtype=dtype, generator=g).requires_grad_()
@@ -65,13 +66,15 @@ def check(impl, mask, b, hq, hkv, nq, d, dtype, q_offset=0, seed=0) -> dict:
     v = torch.randn(b, hkv, nk, d, device=DEVICE, dtype=dtype, generator=g).requires_grad_()
     dout = torch.randn(b, hq, nq, d, device=DEVICE, dtype=dtype, generator=g)
     dlse = torch.randn(b, hq, nq, device=DEVICE, generator=g)
-    rows = torch.arange(q_offset, q_offset + nq, device=DEVICE)
+    explicit = isinstance(q_offset, torch.Tensor)
+    rows = q_offset.to(DEVICE) if explicit else torch.arange(q_offset, q_offset + nq, device=DEVICE)
+    where = {"q_positions": rows} if explicit else {"q_offset": q_offset}
 
     def loss(out, lse):
         finite = torch.isfinite(lse)
         return (out.float() * dout.float()).sum() + (torch.where(finite, lse, torch.zeros_like(lse)) * dlse).sum()
 
-    out, lse = flashmask_attention(q, k, v, mask=mask, q_offset=q_offset, impl=impl, return_lse=True)
+    out, lse = flashmask_attention(q, k, v, mask=mask, impl=impl, return_lse=True, **where)
     grads = torch.autograd.grad(loss(out, lse), (q, k, v))
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref_out, ref_lse = reference_attention(q64, k64, v64, mask, q_positions=rows)
@@ -89,7 +92,7 @@ def check(impl, mask, b, hq, hkv, nq, d, dtype, q_offset=0, seed=0) -> dict:
 
 
 def cases(n: int):
-    """(name, mask, batch, Hq, Hkv, Nq, D, dtype, q_offset)."""
+    """(name, mask, batch, Hq, Hkv, Nq, D, dtype, q_offset: int or a tensor of rows)."""
     for name, m in families(n).items():
         yield name, m.to(DEVICE), 1, 8, 2, n, 128, torch.bfloat16, 0
     docs = families(n)["docs_with_padding"].to(DEVICE)
@@ -97,6 +100,9 @@ def cases(n: int):
         yield f"docs_with_padding D={d}", docs, 1, 8, 2, n, d, torch.bfloat16, 0
     yield "docs_with_padding fp16", docs, 1, 8, 2, n, 128, torch.float16, 0
     yield "dpo ring chunk (Nq = N/3 at row N/3)", families(n)["dpo"].to(DEVICE), 1, 8, 2, n // 3, 128, torch.bfloat16, n // 3
+    sixth = n // 6
+    zigzag = torch.cat([torch.arange(sixth), torch.arange(n - sixth, n)])  # rank 0 of 3 under zigzag
+    yield "dpo zigzag shard (explicit rows)", families(n)["dpo"].to(DEVICE), 1, 8, 2, 2 * sixth, 128, torch.bfloat16, zigzag
     per_batch = masks.stack([families(n)["dpo"], families(n)["sliding_window_sinks"]]).to(DEVICE)
     yield "mask per batch row (B=2)", per_batch, 2, 8, 2, n, 128, torch.bfloat16, 0
     two = masks.stack([families(n)["causal"], families(n)["sliding_window_sinks"]])  # [2, 1, N, M]

@@ -118,3 +118,22 @@ def test_tile_shape_rejects_head_dims_fa4_cannot_run():
 
     with pytest.raises(ValueError, match="head_dim: expected 8..256 for FA4's SM90 kernels, got 320"):
         fa4_tile_shape(320)
+
+
+@pytest.mark.parametrize("offset", [0, 23])
+def test_packed_bounds_decode_to_the_mask_as_the_mask_mod_reads_them(offset):
+    """The mask_mod's arithmetic, in torch: low 32 bits = first row, arithmetic >> 32 = last row, both
+    relative to the offset, compared with the local query index; multi-interval, batch rows, empty
+    intervals and rows that see nothing included."""
+    from fm_parallel.kernels.fa4_sparsity import pack_bounds
+
+    i, j = torch.arange(90).view(-1, 1), torch.arange(90).view(1, -1)
+    two_intervals = ((i >= j) & (i - j < 10)) | ((i >= 60) & (j < 50))
+    m = masks.stack([masks.from_dense(two_intervals), masks.document([40, 30], n=90)])  # rows 70.. see nothing
+    packed = pack_bounds(m.fms, m.fme, offset)
+    assert packed.dtype == torch.int64 and packed.shape == m.fms.shape
+    first = (packed & 0xFFFFFFFF).to(torch.int32)  # Int32(packed): truncation
+    last = (packed >> 32).to(torch.int32)
+    local = torch.arange(90 - offset).view(1, 1, -1, 1, 1)  # local query index = global row - offset
+    visible = ((first.unsqueeze(2) <= local) & (local <= last.unsqueeze(2))).any(-1)  # [B, H, Nq, Nk]
+    assert torch.equal(visible, m.to_dense(rows=torch.arange(offset, 90)))
