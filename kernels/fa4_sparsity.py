@@ -105,11 +105,15 @@ class FA4BlockSparsity:
 
 def _lists(flag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Counts ``[..., T_outer]`` and ascending indices ``[..., T_outer, T_inner]`` of the True entries."""
+    inner = flag.shape[-1]
     count = flag.sum(-1, dtype=torch.int32)
-    # A stable sort of "not flagged" puts the flagged block indices first, in ascending order.
-    order = torch.sort((~flag).to(torch.int8), dim=-1, stable=True).indices
-    index = torch.where(torch.arange(flag.shape[-1], device=flag.device) < count.unsqueeze(-1), order, torch.zeros_like(order))
-    return count, index.to(torch.int32).contiguous()
+    # Compaction without a sort: flagged entry k goes to slot (number of flagged before it); the others
+    # go to a spare last column that is dropped. Slots past the count stay 0.
+    slot = torch.where(flag, flag.cumsum(-1) - 1, inner)
+    index = torch.zeros(*flag.shape[:-1], inner + 1, dtype=torch.int32, device=flag.device)
+    columns = torch.arange(inner, dtype=torch.int32, device=flag.device).expand_as(flag)
+    index.scatter_(-1, slot, columns)
+    return count, index[..., :inner].contiguous()
 
 
 def fa4_block_sparsity(mask: FlashMask, block_q: int, block_k: int, num_heads: int | None = None,
