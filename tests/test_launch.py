@@ -171,3 +171,21 @@ def test_gpu_verification_script_runs_its_cases_on_the_cpu(tmp_path):
     rows = json.loads((tmp_path / "v.json").read_text())
     assert len(rows) == 15 and all(r["status"] == "PASS" for r in rows)
     assert {"out", "dq", "dk", "dv", "lse_max_abs"} <= set(rows[0])
+
+
+def test_triton_static_report_compiles_for_hopper_without_a_gpu(tmp_path):
+    """The static resource report behind the tuning sweep, compiled for sm_90a on this CPU: the small
+    D=64 forward fits; a D=64 forward with 128 x 128 tiles on 4 warps spills (ptxas says so)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "bench" / "triton_static.py"), "--d", "64", "--kinds", "fwd",
+         "--extra", "128,128,4,2", "--json", str(tmp_path / "s.json")],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {(r["pass"], r["block_m"], r["block_n"], r["num_warps"], r["num_stages"]): r
+            for r in json.loads((tmp_path / "s.json").read_text())["rows"]}
+    small = rows[("fwd", 64, 64, 4, 3)]
+    assert small["current"] and small["fits"] and small["registers"] > 0 and small["shared_bytes"] > 0
+    assert rows[("reference", 64, 64, 4, 3)]["spill_store_bytes"] == 0
+    assert rows[("fwd", 128, 128, 4, 2)]["spill_store_bytes"] > 0

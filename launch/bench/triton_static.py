@@ -109,12 +109,17 @@ def resources(kind: str, d: int, shape: tuple[int, int, int, int]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "k.ptx"
         ptx.write_text(compiled.asm["ptx"])
-        for tool in (triton.knobs.nvidia.ptxas_blackwell.path, triton.knobs.nvidia.ptxas.path):
-            proc = subprocess.run([tool, "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull], capture_output=True, text=True)
+        bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+        proc = None
+        for tool in (bundled / "ptxas-blackwell", bundled / "ptxas"):  # the former only in newer Triton
+            if not tool.exists():
+                continue
+            proc = subprocess.run([str(tool), "-arch=sm_90a", "-v", str(ptx), "-o", os.devnull], capture_output=True, text=True)
             if proc.returncode == 0:
                 break
         else:
-            raise RuntimeError(f"no bundled ptxas accepted the PTX: {proc.stderr.strip()[:200]}")
+            raise RuntimeError(f"no bundled ptxas under {bundled} accepted the PTX"
+                               + (f": {proc.stderr.strip()[:200]}" if proc else ""))
         out = proc.stdout + proc.stderr
     row["registers"] = int(re.search(r"Used (\d+) registers", out).group(1))
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
@@ -127,9 +132,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--d", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--kinds", nargs="+", default=["fwd", "bwd_kv", "bwd_q"])
+    parser.add_argument("--extra", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES",
+                        help="more block shapes to compile for every pass and head dim")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    extra = [tuple(int(x) for x in e.split(",")) for e in args.extra]
+    if any(len(e) != 4 for e in extra):
+        raise ValueError(f"--extra: expected BM,BN,WARPS,STAGES entries, got {args.extra}")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    os.environ.pop("TRITON_INTERPRET", None)  # the interpreter has no compiler to report on
     import json
 
     import triton
@@ -143,7 +154,7 @@ def main() -> None:
         for d in args.d:
             current = _HOPPER[kind][d]
             chosen = (current.block_m, current.block_n, current.num_warps, current.num_stages)
-            for shape in dict.fromkeys([chosen, *CANDIDATES[kind]]):
+            for shape in dict.fromkeys([chosen, *CANDIDATES[kind], *extra]):
                 jobs.append((kind, d, shape, shape == chosen))
     rows = []
     for kind, d, shape, chosen in tqdm(jobs, desc="compiling for sm_90a"):

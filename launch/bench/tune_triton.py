@@ -1,6 +1,7 @@
 """Sweep block shapes of the three Triton FlashMask kernels on the GPU, one pass at a time.
 
     python launch/bench/tune_triton.py --d 128 --n 16384 --out docs/benchmarks
+    python launch/bench/tune_triton.py --d 64 256 --tag tune_triton_d64_d256   # shapes spilling > 512 B skipped
 
 For each pass (forward, dK/dV, dQ) and each candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) it
 times that kernel alone on causal and packed-document masks (B=1, H=16, bf16) and reports
@@ -31,6 +32,14 @@ CANDIDATES = {
     "bwd_kv": [(64, 128, 8, 2), (64, 128, 4, 2), (32, 128, 4, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 3), (128, 128, 8, 2)],
     "bwd_q": [(128, 64, 8, 2), (128, 64, 4, 2), (64, 64, 4, 2), (128, 32, 4, 2), (64, 128, 8, 2), (128, 128, 8, 2), (64, 32, 4, 3)],
 }
+# Shapes that compile without spills at these head dims (launch/bench/triton_static.py, Triton 3.9,
+# docs/benchmarks/README.md): tried on top of CANDIDATES there.
+EXTRA = {
+    128: {"fwd": [(64, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3)], "bwd_kv": [(32, 64, 8, 2), (32, 32, 4, 2)],
+          "bwd_q": [(64, 64, 8, 2), (128, 64, 8, 1)]},
+    256: {"fwd": [(32, 32, 4, 2), (64, 32, 8, 2), (64, 32, 4, 2)], "bwd_kv": [(32, 32, 8, 2), (16, 32, 4, 2)],
+          "bwd_q": [(32, 32, 8, 2), (32, 64, 8, 2)]},
+}
 MATMULS = {"fwd": 2, "bwd_kv": 4, "bwd_q": 3}
 
 
@@ -43,8 +52,12 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--masks", nargs="+", default=["causal", "docs"])
     parser.add_argument("--kinds", nargs="+", default=list(CANDIDATES))
+    parser.add_argument("--max-spill", type=int, default=512,
+                        help="skip shapes whose compiled kernel spills more bytes per thread than this (checked before timing)")
+    parser.add_argument("--tag", default="tune_triton")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
+    from triton_static import resources
     rows = []
     for d in args.d:
         for name in args.masks:
@@ -64,9 +77,19 @@ def main() -> None:
             }
             for kind in args.kinds:
                 default = tf._HOPPER[kind][d]
-                for cand in CANDIDATES[kind]:
+                for cand in dict.fromkeys([*CANDIDATES[kind], *EXTRA.get(d, {}).get(kind, [])]):
                     tf._HOPPER[kind][d] = tf.KernelConfig(*cand)
                     row = {"d": d, "mask": name, "kind": kind, "config": cand}
+                    try:  # compile only: registers, spills, shared memory (a failure here only loses the filter)
+                        static = resources(kind, d, cand)
+                        row.update(spill_bytes=static["spill_store_bytes"], registers=static["registers"])
+                    except Exception as e:  # noqa: BLE001
+                        row["static_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    if row.get("spill_bytes", 0) > args.max_spill:
+                        row["skipped"] = f"spills {row['spill_bytes']} B > --max-spill {args.max_spill}"
+                        rows.append(row)
+                        print(row, flush=True)
+                        continue
                     try:
                         t0 = time.perf_counter()
                         calls[kind]()
@@ -80,7 +103,7 @@ def main() -> None:
                     print(" ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}" for a, b in row.items()), flush=True)
                 tf._HOPPER[kind][d] = default
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "tune_triton.json").write_text(json.dumps(rows, indent=1))
+    (args.out / f"{args.tag}.json").write_text(json.dumps(rows, indent=1))
     print("\nbest per (d, mask, kind):")
     for key in sorted({(r["d"], r["mask"], r["kind"]) for r in rows}):
         ok = [r for r in rows if (r["d"], r["mask"], r["kind"]) == key and "ms" in r]
