@@ -25,9 +25,9 @@ import logging
 import torch
 from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
+from fm_parallel.kernels.custom_op import define_attention_op
 from fm_parallel.kernels.cute_mask_mod import flashmask_mask_mod
 from fm_parallel.kernels.fa4_sparsity import fa4_block_sparsity, fa4_tile_shape, pack_bounds
-from fm_parallel.kernels.custom_op import define_attention_op
 from fm_parallel.masks.flashmask import FlashMask
 
 __all__ = ["attention", "cute_fwd", "cute_bwd", "supports", "unsupported"]
