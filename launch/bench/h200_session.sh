@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU work still owed to issues 4 and 5, in stages that each fit one 10-minute device call.
+# Run in the repository root on the H200, results under $OUT:
+#
+#   bash launch/bench/h200_session.sh unpack-libs   # call 1, carry [".fa4big"]: the FA4 CUDA 13 libraries
+#   bash launch/bench/h200_session.sh verify        # call 2, carry [".fa4"]: cute + triton vs fp64, every family
+#   bash launch/bench/h200_session.sh kernel causal docs dpo      # call 3, carry [".fa4"]: every peer + churn
+#   bash launch/bench/h200_session.sh kernel sliding prefix multi # call 4, carry [".fa4"] (a call's 10 minutes
+#                                                                 # do not hold all six families)
+#   bash launch/bench/h200_session.sh tune          # call 5: Triton block shapes for D 64 / 128 / 256
+#
+# .fa4big and .fa4 come from ../shared/bench/fa4_wheels.sh run here (git-ignored). Stages 2 and 3
+# need stage 1's /tmp/site on the same warm machine: if the machine went cold, stage 1 again.
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+stage=${1:-}
+shift || true
+case "$stage" in unpack-libs|verify|kernel|tune) ;; *)
+  echo "usage: bash launch/bench/h200_session.sh unpack-libs|verify|kernel [MASK ...]|tune" >&2; exit 2 ;; esac
+mkdir -p "$OUT"
+ln -sfn ../kernels fm_parallel/kernels  # the package mapping of pyproject, without installing (git-ignored)
+export PYTHONPATH="$PWD"
+
+fa4() {  # FlashAttention-4 + CuTe DSL on the path (stage 1 unpacked its libraries into /tmp/site)
+  [ -d /tmp/site/nvidia_cutlass_dsl ] || { echo "no /tmp/site: run the unpack-libs stage first (machine went cold?)"; exit 3; }
+  for w in .fa4/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+  export PYTHONPATH="$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages"
+}
+
+case "$stage" in
+  unpack-libs)
+    mkdir -p /tmp/site && tar xJf .fa4big/libs_cu13.tar.xz -C /tmp/site && ls /tmp/site | head ;;
+  verify)
+    fa4
+    python3 launch/bench/verify_gpu.py --impls cute triton --json "$OUT/verify_gpu_h200.json" 2>&1 | tee "$OUT/verify.log" ;;
+  kernel)
+    fa4
+    masks=("${@:-causal docs dpo}")
+    tag="kernel_h200_cute_$(IFS=_; echo "${masks[*]}" | tr ' ' _)"
+    churn=(); [[ " ${masks[*]} " == *" docs "* ]] && churn=(--churn 16384)  # once, with the docs family
+    long=(--long); [[ " ${masks[*]} " == *" docs "* ]] && long=(--long 524288)  # bare --long: none
+    python3 launch/bench/kernel.py --ns 16384 65536 --masks ${masks[*]} \
+      --impls cute triton triton_atomic flex flex_flash fa4 sdpa --quick --extra-dims-at 0 "${long[@]}" \
+      ${churn[@]+"${churn[@]}"} --out "$OUT" --tag "$tag" 2>&1 | tee "$OUT/$tag.log" ;;
+  tune)
+    python3 launch/bench/tune_triton.py --d 64 128 256 --n 16384 --out "$OUT" --tag tune_triton_all 2>&1 | tee "$OUT/tune.log" ;;
+esac
