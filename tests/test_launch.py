@@ -189,3 +189,37 @@ def test_triton_static_report_compiles_for_hopper_without_a_gpu(tmp_path):
     assert small["current"] and small["fits"] and small["registers"] > 0 and small["shared_bytes"] > 0
     assert rows[("reference", 64, 64, 4, 3)]["spill_store_bytes"] == 0
     assert rows[("fwd", 128, 128, 4, 2)]["spill_store_bytes"] > 0
+
+
+def test_h200_session_stages_build_the_intended_commands(tmp_path):
+    """The device script's stages, with python3 replaced by an echo (no GPU here): the right benchmark,
+    arguments and output names, and a clear refusal of an unknown stage."""
+    import shutil
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text('#!/bin/sh\necho python3 "$@"\n')
+    (fake / "python3").chmod(0o755)
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "launch", repo / "launch")
+    (repo / "fm_parallel").mkdir()
+    (repo / ".fa4").mkdir()
+    site = tmp_path / "site"
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+
+    def stage(*args):
+        return subprocess.run(["bash", "launch/bench/h200_session.sh", *args], cwd=repo, env=env, capture_output=True, text=True)
+
+    tune = stage("tune")
+    assert tune.returncode == 0 and "tune_triton.py --d 64 128 256" in tune.stdout
+    cold = stage("verify")  # the FA4 libraries were not unpacked on this machine
+    assert cold.returncode == 3 and "run the unpack-libs stage first" in cold.stdout
+    assert stage("bogus").returncode == 2
+    script = repo / "launch" / "bench" / "h200_session.sh"
+    script.write_text(script.read_text().replace("/tmp/site", str(site)))  # stage 1's unpacked libraries, faked
+    (site / "nvidia_cutlass_dsl").mkdir(parents=True)
+    kernel = stage("kernel", "sliding", "prefix")
+    assert kernel.returncode == 0, kernel.stderr
+    assert "--masks sliding prefix" in kernel.stdout and "--long --out" in kernel.stdout and "--churn" not in kernel.stdout
+    docs = stage("kernel")  # default families include docs: the long run and the churn come along
+    assert "--masks causal docs dpo" in docs.stdout and "--long 524288" in docs.stdout and "--churn 16384" in docs.stdout
