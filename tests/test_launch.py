@@ -206,6 +206,8 @@ def test_h200_session_stages_build_the_intended_commands(tmp_path):
     (repo / ".fa4").mkdir()
     site = tmp_path / "site"
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+    script = repo / "launch" / "bench" / "h200_session.sh"
+    script.write_text(script.read_text().replace("/tmp/site", str(site)))  # where stage 1 unpacks, here
 
     def stage(*args):
         return subprocess.run(["bash", "launch/bench/h200_session.sh", *args], cwd=repo, env=env, capture_output=True, text=True)
@@ -215,8 +217,6 @@ def test_h200_session_stages_build_the_intended_commands(tmp_path):
     cold = stage("verify")  # the FA4 libraries were not unpacked on this machine
     assert cold.returncode == 3 and "run the unpack-libs stage first" in cold.stdout
     assert stage("bogus").returncode == 2
-    script = repo / "launch" / "bench" / "h200_session.sh"
-    script.write_text(script.read_text().replace("/tmp/site", str(site)))  # stage 1's unpacked libraries, faked
     (site / "nvidia_cutlass_dsl").mkdir(parents=True)
     kernel = stage("kernel", "sliding", "prefix")
     assert kernel.returncode == 0, kernel.stderr
