@@ -131,18 +131,17 @@ def mask_churn(n: int, heads: int, impl: str, calls: int = 100) -> dict:
     q, k, v = (torch.randn(1, heads, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
 
-    def run(mask_for_call) -> float:
+    def run(mask_for_call, label: str) -> float:
         flashmask_attention(q, k, v, mask=fresh[0], impl=impl).backward(do)  # compile / warm up
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for i in tqdm(range(calls), desc=f"{impl} {'new' if mask_for_call(1) is not fresh[0] else 'same'} masks",
-                      leave=False):
+        for i in tqdm(range(calls), desc=f"{impl}, {label}", leave=False):
             flashmask_attention(q, k, v, mask=mask_for_call(i), impl=impl).backward(do)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    same = run(lambda i: fresh[0])
-    new = run(lambda i: fresh[i])
+    same = run(lambda i: fresh[0], "same mask")
+    new = run(lambda i: fresh[i], "new masks")
     return {"impl": impl, "n": n, "calls": calls, "same_mask_s": same, "new_masks_s": new, "ratio": new / same}
 
 
@@ -277,7 +276,10 @@ def main() -> None:
     churn = []
     for n in args.churn:
         for impl in [i for i in ("cute", "triton") if i in args.impls]:
-            churn.append(mask_churn(n, args.heads, impl))
+            try:
+                churn.append(mask_churn(n, args.heads, impl))
+            except Exception as e:  # reported like a peer that cannot run, the tables still get written
+                churn.append({"impl": impl, "n": n, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
             print(json.dumps(churn[-1]), flush=True)
     for n in sorted({n for _, n, _ in cases}):
         prep.append(dict(mask="docs", n=n, **prep_ms("docs", n, 128)))
