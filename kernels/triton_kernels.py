@@ -64,15 +64,23 @@ def _fwd_tile(
 
 
 @triton.jit
+def _program_ids(ORDER, WIDE: tl.constexpr):
+    """This program's block (``ORDER``: the plan's busiest-first order) and its batch x head index,
+    widened to 64 bits when some tensor spans 2^31 elements or more (e.g. 32 heads x 1M tokens x 128)."""
+    block = tl.load(ORDER + tl.program_id(0))
+    pid_bh = tl.program_id(1)
+    if WIDE:
+        block = block.to(tl.int64)
+        pid_bh = pid_bh.to(tl.int64)
+    return block, pid_bh
+
+
+@triton.jit
 def _query_program(ORDER, Hq, Hm, Bm, num_q_blocks, q_per_kv, q_per_mask_head, WIDE: tl.constexpr):
     """Who this program of a per-query-block pass (forward, dQ) is: its query block ``pid_m`` (plan
     order: busiest first), ``pid_bh`` = batch x query head, the batch ``b``, query head ``h``, K/V head
     ``kvh``, mask batch row ``mb`` and mask head ``mh``, and its ``row`` in the launch plan."""
-    pid_m = tl.load(ORDER + tl.program_id(0))
-    pid_bh = tl.program_id(1)
-    if WIDE:  # some tensor spans 2^31 elements or more (e.g. 32 heads x 1M tokens x 128): 64-bit offsets
-        pid_m = pid_m.to(tl.int64)
-        pid_bh = pid_bh.to(tl.int64)
+    pid_m, pid_bh = _program_ids(ORDER, WIDE)
     b = pid_bh // Hq
     h = pid_bh % Hq
     mb = b % Bm
@@ -190,11 +198,7 @@ def flashmask_bwd_kv_kernel(
     WIDE: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
 ):
-    pid_n = tl.load(ORDER + tl.program_id(0))  # busiest blocks first (plan.order)
-    pid_bh = tl.program_id(1)
-    if WIDE:  # some tensor spans 2^31 elements or more (e.g. 32 heads x 1M tokens x 128): 64-bit offsets
-        pid_n = pid_n.to(tl.int64)
-        pid_bh = pid_bh.to(tl.int64)
+    pid_n, pid_bh = _program_ids(ORDER, WIDE)
     b = pid_bh // Hkv
     kvh = pid_bh % Hkv
     mb = b % Bm
