@@ -98,24 +98,12 @@ def write(rows: list[dict], longest: int, args) -> None:
                                         f"Longest that trained: **{longest}** tokens.\n\n{md}\n")
     print(md)
 
-    import matplotlib
+    from launch.bench.plots import throughput_vs_length
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = sorted((r for r in rows if r["fits"]), key=lambda r: r["n"])
-    bad = [r["n"] for r in rows if not r["fits"]]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    ax.plot([r["n"] for r in ok], [r["tokens_per_s"] for r in ok], "o-", label="tokens / s")
-    ax.plot(bad, [0] * len(bad), "x", color="C3", ms=9, label="did not fit")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens per row")
-    ax.set_ylabel("training tokens / s")
-    ax.set_title(f"{args.shape}, cp {args.cp} over {args.nproc} ranks")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out / f"{tag}.png", dpi=110)
+    ran = [(r["n"], r["tokens_per_s"]) for r in rows if r["fits"]]
+    failed = [r["n"] for r in rows if not r["fits"]]
+    throughput_vs_length([("tokens / s", ran, failed)], f"{args.shape}, cp {args.cp} over {args.nproc} ranks; x: did not fit",
+                         args.out / f"{tag}.png")
 
 
 def main() -> None:

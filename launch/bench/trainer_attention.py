@@ -88,25 +88,12 @@ def write(rows: list[dict], args) -> None:
     (args.out / f"{args.name}.md").write_text(f"# Trainer throughput by attention ({device})\n\n`{cmd}`\n\n{md}\n")
     print(md)
 
-    import matplotlib
+    from launch.bench.plots import throughput_vs_length
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for i, attention in enumerate(args.attention):
-        ok = [r for r in rows if r["attention"] == attention and r["fits"]]
-        ax.plot([r["seq_len"] for r in ok], [r["tokens_per_s"] for r in ok], "o-", color=f"C{i}", label=attention)
-        bad = [r["seq_len"] for r in rows if r["attention"] == attention and not r["fits"]]
-        ax.plot(bad, [0] * len(bad), "x", color=f"C{i}", ms=9)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens per row")
-    ax.set_ylabel("training tokens / s")
-    ax.set_title(f"LoRA SFT, packed documents, {args.shape} ({device}); x: did not run")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out / f"{args.name}.png", dpi=110)
+    series = [(attention, [(r["seq_len"], r["tokens_per_s"]) for r in rows if r["attention"] == attention and r["fits"]],
+               [r["seq_len"] for r in rows if r["attention"] == attention and not r["fits"]]) for attention in args.attention]
+    throughput_vs_length(series, f"LoRA SFT, packed documents, {args.shape} ({device}); x: did not run",
+                         args.out / f"{args.name}.png")
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ effective TFLOP/s (visible pairs only; forward = 2 matmuls, dK/dV = 4, dQ = 3). 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -58,6 +59,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
     from triton_static import resources
+
+    @functools.cache
+    def static_of(kind, d, cand) -> dict:
+        """Registers and spills of one shape (compile only; the same for every mask, so once per shape).
+        A failure here only loses the spill filter."""
+        try:
+            static = resources(kind, d, cand)
+            return {"spill_bytes": static["spill_store_bytes"], "registers": static["registers"]}
+        except Exception as e:  # noqa: BLE001
+            return {"static_error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
+
     rows = []
     for d in args.d:
         for name in args.masks:
@@ -80,11 +92,7 @@ def main() -> None:
                 for cand in dict.fromkeys([*CANDIDATES[kind], *EXTRA.get(d, {}).get(kind, [])]):
                     tf._HOPPER[kind][d] = tf.KernelConfig(*cand)
                     row = {"d": d, "mask": name, "kind": kind, "config": cand}
-                    try:  # compile only: registers, spills, shared memory (a failure here only loses the filter)
-                        static = resources(kind, d, cand)
-                        row.update(spill_bytes=static["spill_store_bytes"], registers=static["registers"])
-                    except Exception as e:  # noqa: BLE001
-                        row["static_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    row.update(static_of(kind, d, cand))
                     if row.get("spill_bytes", 0) > args.max_spill:
                         row["skipped"] = f"spills {row['spill_bytes']} B > --max-spill {args.max_spill}"
                         rows.append(row)

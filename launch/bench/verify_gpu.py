@@ -93,19 +93,20 @@ def check(impl, mask, b, hq, hkv, nq, d, dtype, q_offset=0, seed=0) -> dict:
 
 def cases(n: int):
     """(name, mask, batch, Hq, Hkv, Nq, D, dtype, q_offset: int or a tensor of rows)."""
-    for name, m in families(n).items():
+    fam = families(n)  # built once: the later cases reuse these masks
+    for name, m in fam.items():
         yield name, m.to(DEVICE), 1, 8, 2, n, 128, torch.bfloat16, 0
-    docs = families(n)["docs_with_padding"].to(DEVICE)
+    docs, dpo = fam["docs_with_padding"].to(DEVICE), fam["dpo"].to(DEVICE)
     for d in (64, 256):
         yield f"docs_with_padding D={d}", docs, 1, 8, 2, n, d, torch.bfloat16, 0
     yield "docs_with_padding fp16", docs, 1, 8, 2, n, 128, torch.float16, 0
-    yield "dpo ring chunk (Nq = N/3 at row N/3)", families(n)["dpo"].to(DEVICE), 1, 8, 2, n // 3, 128, torch.bfloat16, n // 3
+    yield "dpo ring chunk (Nq = N/3 at row N/3)", dpo, 1, 8, 2, n // 3, 128, torch.bfloat16, n // 3
     sixth = n // 6
     zigzag = torch.cat([torch.arange(sixth), torch.arange(n - sixth, n)])  # rank 0 of 3 under zigzag
-    yield "dpo zigzag shard (explicit rows)", families(n)["dpo"].to(DEVICE), 1, 8, 2, 2 * sixth, 128, torch.bfloat16, zigzag
-    per_batch = masks.stack([families(n)["dpo"], families(n)["sliding_window_sinks"]]).to(DEVICE)
+    yield "dpo zigzag shard (explicit rows)", dpo, 1, 8, 2, 2 * sixth, 128, torch.bfloat16, zigzag
+    per_batch = masks.stack([fam["dpo"], fam["sliding_window_sinks"]]).to(DEVICE)
     yield "mask per batch row (B=2)", per_batch, 2, 8, 2, n, 128, torch.bfloat16, 0
-    two = masks.stack([families(n)["causal"], families(n)["sliding_window_sinks"]])  # [2, 1, N, M]
+    two = masks.stack([fam["causal"], fam["sliding_window_sinks"]])  # [2, 1, N, M]
     per_kv_head = FlashMask(two.fms.transpose(0, 1), two.fme.transpose(0, 1), n).to(DEVICE)  # [1, 2, N, M]
     yield "mask per KV head (Hm=2)", per_kv_head, 1, 8, 2, n, 128, torch.bfloat16, 0
 
