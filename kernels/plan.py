@@ -204,16 +204,27 @@ def _per_query_block(ranges, tq: int, tk: int) -> list[tuple[torch.Tensor, torch
 
 
 def build_plans_consecutive(mask: FlashMask, row_offset: int, num_rows: int, block_m: int,
-                            block_n: int) -> tuple[BlockSparsePlan, BlockSparsePlan]:
+                            block_n: int, builder: str = "auto") -> tuple[BlockSparsePlan, BlockSparsePlan]:
     """``build_plans`` for the consecutive query rows ``row_offset .. row_offset + num_rows - 1``,
-    without classifying every tile (see the section comment). Same result, O(N / block) work."""
+    without classifying every tile (see the section comment). Same result, O(N / block) work.
+
+    ``builder``: ``"torch"`` (the operations below), ``"triton"`` (:mod:`.triton_plan`: four kernel
+    launches and one sync, what a GPU wants), or ``"auto"``: Triton for a mask on CUDA."""
     from fm_parallel.masks.blocks import tile_ranges
 
+    if builder not in ("auto", "torch", "triton"):
+        raise ValueError(f"builder: expected 'auto', 'torch' or 'triton', got {builder!r}")
     summary = mask.block_summary(block_n)
     tq, tk = -(-num_rows // block_m), summary.num_blocks
     ranges = [x.flatten(0, 1) for x in tile_ranges(summary, row_offset, num_rows, block_m)]  # [R, T_k, M]
     if mask.num_keys % block_n:  # a ragged last key block is never FULL: its missing columns need masking
         ranges[2][:, -1], ranges[3][:, -1] = tq, -1
+    if builder == "triton" or (builder == "auto" and mask.device.type == "cuda"):
+        from fm_parallel.kernels.triton_plan import plans_from_ranges
+
+        # [R, T_k, M] x 4 -> [R, 4 * M, T_k] int32: each field contiguous along the key blocks.
+        packed = torch.stack(ranges, dim=-1).permute(0, 2, 3, 1).reshape(ranges[0].shape[0], -1, tk)
+        return plans_from_ranges(packed.to(torch.int32), tq, block_m, block_n)
     rows_total = ranges[0].shape[0]
     plans = []
     for transposed in (False, True):

@@ -7,6 +7,8 @@ Packed documents (mean length 2048, masks.sample_lengths), plans for the three p
 (both orientations each, as the launchers build them), from the bounds: the mask's cached block
 summaries are dropped before every run. The dense-grid builder is timed only up to
 --dense-max (it is O((N / 64)^2)). Each figure is the median of --repeat runs after one warm-up.
+On CUDA the launchers' builder is the Triton one (kernels/triton_plan.py); the PyTorch range-based
+builder is timed beside it and both are checked equal at every N (exit 1 if not).
 Writes docs/benchmarks/plan_prep_<device>.json and prints a table.
 """
 
@@ -70,6 +72,16 @@ def main() -> None:
                "builder_ms": timed(lambda: masks.document(lengths), device, args.repeat),
                "plans_ms": timed(lambda: fresh(mask) and [build_plans_consecutive(mask, 0, n, bm, bn) for bm, bn in shapes],
                                  device, args.repeat)}
+        if device.type == "cuda":  # "plans_ms" is the Triton builder there; the PyTorch one for comparison
+            row["plans_torch_ms"] = timed(
+                lambda: fresh(mask) and [build_plans_consecutive(mask, 0, n, bm, bn, builder="torch") for bm, bn in shapes],
+                device, args.repeat)
+            row["builders_equal"] = all(
+                torch.equal(getattr(a, f), getattr(b, f))
+                for bm, bn in shapes
+                for a, b in zip(build_plans_consecutive(mask, 0, n, bm, bn, builder="triton"),
+                                build_plans_consecutive(mask, 0, n, bm, bn, builder="torch"))
+                for f in ("full_offsets", "full_runs", "part_offsets", "part_runs", "order"))
         if n <= args.dense_max:
             pos = torch.arange(n, device=device)
             row["plans_dense_ms"] = timed(lambda: fresh(mask) and [build_plans(mask, pos, bm, bn) for bm, bn in shapes],
@@ -79,10 +91,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     cmd = "python launch/bench/plan_prep.py " + " ".join(sys.argv[1:])
     (args.out / f"plan_prep_{device.type}.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1))
-    print("\n| N | mask builder ms | plans ms (range-based) | plans ms (dense grid) |\n|---|---|---|---|")
+    print("\n| N | mask builder ms | plans ms (range-based; Triton on CUDA) | plans ms, PyTorch range-based | "
+          "plans ms (dense grid) | builders equal |\n|---|---|---|---|---|---|")
     for r in rows:
         dense = f"{r['plans_dense_ms']:.1f}" if "plans_dense_ms" in r else "-"
-        print(f"| {r['n']} | {r['builder_ms']:.2f} | {r['plans_ms']:.2f} | {dense} |")
+        torch_ms = f"{r['plans_torch_ms']:.2f}" if "plans_torch_ms" in r else "-"
+        print(f"| {r['n']} | {r['builder_ms']:.2f} | {r['plans_ms']:.2f} | {torch_ms} | {dense} | {r.get('builders_equal', '-')} |")
+    if not all(r.get("builders_equal", True) for r in rows):
+        sys.exit("FAIL: the Triton and PyTorch plan builders disagree")
 
 
 if __name__ == "__main__":

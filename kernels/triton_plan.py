@@ -1,0 +1,165 @@
+"""Launch plans built on the GPU in four kernel launches, for consecutive query rows.
+
+:func:`fm_parallel.kernels.plan.build_plans_consecutive` turns the tile rule's per-key-block ranges
+(:func:`fm_parallel.masks.tile_ranges`: for each key block and interval slot, the query blocks the
+slot reaches and covers) into CSR lists of runs. Its PyTorch form is a few hundred small operations
+with a dozen host syncs (``nonzero``, ``repeat_interleave``): on the H200 that is 5-8 ms whatever N,
+all launch and sync overhead. Here the same lists come from two passes of one Triton kernel per
+orientation, one program per (mask row, outer block), scanning the inner blocks in chunks:
+
+1. count: runs of full and of partial tiles, and the tiles visited (for the launch order);
+2. (host) offsets = cumsum of the counts, one sync for the run totals, the arrays allocated;
+3. write: the same scan, each run's start and end stored at its slot (``cumsum`` inside the chunk).
+
+A tile's class is read from the ranges exactly as :func:`fm_parallel.kernels.plan._class_at` reads
+them (FULL if some slot covers the query block, PARTIAL if some slot reaches it): no second copy of
+the tile rule, which stays in :mod:`fm_parallel.masks.blocks`. Work: O(T_q * T_k * M) comparisons
+on values held in L2 (the ranges are ``16 * M`` bytes per key block), no per-tile memory.
+The result equals the PyTorch builders array for array (``tests/kernels/test_triton_plan.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["plans_from_ranges"]
+
+_CHUNK = 1024  # inner blocks per step of a program (a power of two; 4 warps hold 8 per thread)
+
+
+@triton.jit
+def _class_at(p_ranges, qb, kb, Tq, Tk, M: tl.constexpr):
+    """Tile class (2 full, 1 partial, 0 skip) of query block ``qb`` x key block ``kb`` (one of them
+    a vector), -1 outside the grid. ``p_ranges``: this mask row's ``[4 * M, Tk]`` int32 ranges, field
+    ``4 * m + j`` = (reach_first, reach_last, cover_first, cover_last)[j] of slot ``m``."""
+    # Both as vectors before comparing (the interpreter mishandles a scalar bool & a vector bool).
+    qb, kb = qb + 0 * kb, kb + 0 * qb
+    inside = (qb >= 0) & (qb < Tq) & (kb >= 0) & (kb < Tk)
+    covers = tl.zeros_like(inside)
+    reaches = tl.zeros_like(inside)
+    for m in tl.static_range(M):
+        reach_first = tl.load(p_ranges + (4 * m + 0) * Tk + kb, mask=inside, other=0)
+        reach_last = tl.load(p_ranges + (4 * m + 1) * Tk + kb, mask=inside, other=-1)
+        cover_first = tl.load(p_ranges + (4 * m + 2) * Tk + kb, mask=inside, other=0)
+        cover_last = tl.load(p_ranges + (4 * m + 3) * Tk + kb, mask=inside, other=-1)
+        covers = covers | ((cover_first <= qb) & (qb <= cover_last))
+        reaches = reaches | ((reach_first <= qb) & (qb <= reach_last))
+    cls = tl.where(covers, 2, tl.where(reaches, 1, 0))
+    return tl.where(inside, cls, -1)
+
+
+@triton.jit
+def _plan_kernel(
+    p_ranges, p_counts, p_work, p_full_offsets, p_full_runs, p_part_offsets, p_part_runs,
+    Tq, Tk, R,
+    M: tl.constexpr, TRANSPOSED: tl.constexpr, WRITE: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """One program per (outer block ``o``, mask row ``r``). Not TRANSPOSED: outer = query blocks,
+    inner = key blocks (forward and dQ plans); TRANSPOSED: the dK/dV plan.
+
+    Count pass (not WRITE): ``counts[0 | 1, r * T_outer + o]`` = runs of full | partial tiles,
+    ``work[r, o]`` = tiles visited. Write pass: runs ``[start, end)`` at ``offsets[r * T_outer + o]``
+    onwards. Runs are found as (class here) != (class one inner block before / after)."""
+    o = tl.program_id(0)
+    r = tl.program_id(1)
+    p_row = p_ranges + r * (4 * M) * Tk
+    if TRANSPOSED:
+        t_outer = Tk
+        t_inner = Tq
+    else:
+        t_outer = Tq
+        t_inner = Tk
+    row = r * t_outer + o
+    if WRITE:
+        full_start = tl.load(p_full_offsets + row)
+        full_end = full_start
+        part_start = tl.load(p_part_offsets + row)
+        part_end = part_start
+    else:
+        full_start = 0
+        full_end = 0
+        part_start = 0
+        part_end = 0
+    work = 0
+    for first in range(0, t_inner, CHUNK):
+        i = first + tl.arange(0, CHUNK)
+        if TRANSPOSED:
+            here = _class_at(p_row, i, o, Tq, Tk, M)
+            before = _class_at(p_row, i - 1, o, Tq, Tk, M)
+            after = _class_at(p_row, i + 1, o, Tq, Tk, M)
+        else:
+            here = _class_at(p_row, o, i, Tq, Tk, M)
+            before = _class_at(p_row, o, i - 1, Tq, Tk, M)
+            after = _class_at(p_row, o, i + 1, Tq, Tk, M)
+        work += tl.sum((here > 0).to(tl.int32), 0)
+        full_s = ((here == 2) & (before != 2)).to(tl.int32)
+        full_e = ((here == 2) & (after != 2)).to(tl.int32)
+        part_s = ((here == 1) & (before != 1)).to(tl.int32)
+        part_e = ((here == 1) & (after != 1)).to(tl.int32)
+        if WRITE:
+            # k-th start and k-th end of a (row, class) belong to the same run: runs are disjoint
+            # and ordered, so separate running slots for starts and ends pair them up across chunks.
+            tl.store(p_full_runs + 2 * (full_start + tl.cumsum(full_s, 0) - 1), i, mask=full_s > 0)
+            tl.store(p_full_runs + 2 * (full_end + tl.cumsum(full_e, 0) - 1) + 1, i + 1, mask=full_e > 0)
+            tl.store(p_part_runs + 2 * (part_start + tl.cumsum(part_s, 0) - 1), i, mask=part_s > 0)
+            tl.store(p_part_runs + 2 * (part_end + tl.cumsum(part_e, 0) - 1) + 1, i + 1, mask=part_e > 0)
+        full_start += tl.sum(full_s, 0)
+        full_end += tl.sum(full_e, 0)
+        part_start += tl.sum(part_s, 0)
+        part_end += tl.sum(part_e, 0)
+    if not WRITE:
+        tl.store(p_counts + row, full_start)
+        tl.store(p_counts + R * t_outer + row, part_start)
+        tl.store(p_work + row, work)
+
+
+def _offsets(counts: torch.Tensor) -> torch.Tensor:
+    offsets = torch.zeros(counts.shape[0], counts.shape[1] + 1, dtype=torch.int32, device=counts.device)
+    offsets[:, 1:] = torch.cumsum(counts, dim=1)
+    return offsets
+
+
+def plans_from_ranges(ranges: torch.Tensor, tq: int, block_m: int, block_n: int):
+    """The (forward, transposed) :class:`~fm_parallel.kernels.plan.BlockSparsePlan` of consecutive
+    query rows from their tile ranges.
+
+    Args:
+        ranges: ``[R, 4 * M, T_k]`` int32 (R mask rows = ``Bm * Hm``), field ``4 * m + j`` of slot
+            ``m`` = (reach_first, reach_last, cover_first, cover_last)[j], inclusive query blocks,
+            the ragged-last-key-block rule already applied (its cover range empty).
+        tq: number of query blocks.
+    """
+    from fm_parallel.kernels.plan import BlockSparsePlan
+
+    if ranges.dim() != 3 or ranges.shape[1] % 4 or ranges.dtype != torch.int32:
+        raise ValueError(f"ranges: expected [R, 4 * M, T_k] int32, got {list(ranges.shape)} {ranges.dtype}")
+    num_rows, fields, tk = ranges.shape
+    ranges = ranges.contiguous()
+    device = ranges.device
+    counts, works = [], []
+    for transposed in (False, True):
+        outer = tk if transposed else tq
+        count = torch.empty(2, num_rows * outer, dtype=torch.int32, device=device)
+        work = torch.empty(num_rows, outer, dtype=torch.int32, device=device)
+        if outer:
+            _plan_kernel[(outer, num_rows)](ranges, count, work, None, None, None, None, tq, tk, num_rows,
+                                            M=fields // 4, TRANSPOSED=transposed, WRITE=False, CHUNK=_CHUNK)
+        counts.append(count)
+        works.append(work)
+    offsets = [_offsets(c) for c in counts]  # [2, R * T_outer + 1] each: full, partial
+    totals = torch.stack([o[:, -1] for o in offsets]).tolist()  # the one host sync: array sizes
+    plans = []
+    for transposed, offs, (n_full, n_part), work in zip((False, True), offsets, totals, works):
+        outer = tk if transposed else tq
+        full_runs = torch.empty(n_full, 2, dtype=torch.int32, device=device)
+        part_runs = torch.empty(n_part, 2, dtype=torch.int32, device=device)
+        if outer and (n_full or n_part):
+            _plan_kernel[(outer, num_rows)](ranges, None, None, offs[0], full_runs, offs[1], part_runs, tq, tk, num_rows,
+                                            M=fields // 4, TRANSPOSED=transposed, WRITE=True, CHUNK=_CHUNK)
+        # Busiest outer blocks launch first (see plan._layout); stable, so ties keep block order.
+        order = torch.argsort(work.sum(0), descending=True, stable=True).to(torch.int32)
+        plans.append(BlockSparsePlan(block_m, block_n, transposed, outer, offs[0].contiguous(), full_runs,
+                                     offs[1].contiguous(), part_runs, order))
+    return plans[0], plans[1]

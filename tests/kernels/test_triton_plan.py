@@ -1,0 +1,71 @@
+"""The Triton plan builder (kernels/triton_plan.py) equals the PyTorch builders array for array.
+
+Under the interpreter on the CPU; a program's scan is cut into chunks of 8 inner blocks here, so runs
+that cross chunk boundaries are exercised (the GPU uses 1024)."""
+
+import pytest
+import torch
+
+from fm_parallel import FlashMask, masks
+from fm_parallel.kernels import triton_plan
+from fm_parallel.kernels.plan import build_plans, build_plans_consecutive
+from tests.kernels.test_plan_consecutive import assert_same
+from tests.masks.test_flashmask import random_intervals
+from tests.test_reference import mask_families
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(triton_plan, "_CHUNK", 8)
+
+
+def triton_plans(m, offset, rows, bm, bn):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return [p for p in build_plans_consecutive(m.to(device), offset, rows, bm, bn, builder="triton")]
+
+
+def same(got, want):
+    for g, w in zip(got, want):
+        assert_same(type(g)(*[x.cpu() if isinstance(x, torch.Tensor) else x for x in g.__dict__.values()]), w)
+
+
+@pytest.mark.parametrize("family", list(mask_families(77)))
+def test_every_family(family):
+    m = mask_families(77)[family]
+    same(triton_plans(m, 0, m.num_rows, 16, 8), build_plans(m, torch.arange(m.num_rows), 16, 8))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_multi_interval_masks_heads_and_row_slices(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(40, 160, (1,), generator=g))
+    intervals, batch, heads = (int(torch.randint(1, hi, (1,), generator=g)) for hi in (5, 3, 3))
+    fms, fme, _ = random_intervals(batch, heads, n, n, intervals, seed=seed)
+    m = FlashMask(fms, fme, n)
+    bm, bn = (int(x) * 4 for x in torch.randint(1, 5, (2,), generator=g))
+    offset = int(torch.randint(0, n // 2, (1,), generator=g))  # a ring chunk's rows
+    rows = int(torch.randint(1, n - offset + 1, (1,), generator=g))
+    same(triton_plans(m, offset, rows, bm, bn), build_plans(m, torch.arange(offset, offset + rows), bm, bn))
+
+
+def test_torch_and_triton_builders_agree_on_a_union():
+    m = masks.union(masks.sliding_window(300, 37, sinks=2), masks.document([100, 90, 110], causal=False))
+    same(triton_plans(m, 13, 250, 16, 8), build_plans_consecutive(m, 13, 250, 16, 8, builder="torch"))
+
+
+def test_fully_masked_rows_and_an_empty_mask():
+    empty = masks.document([40], n=100)  # rows 40..99 see nothing
+    same(triton_plans(empty, 0, 100, 16, 16), build_plans(empty, torch.arange(100), 16, 16))
+    nothing = FlashMask(torch.full((50,), 30), torch.full((50,), 29), 50)  # every interval empty
+    plans = triton_plans(nothing, 0, 50, 16, 16)
+    assert all(p.full_runs.shape == (0, 2) and p.part_runs.shape == (0, 2) for p in plans)
+    same(plans, build_plans(nothing, torch.arange(50), 16, 16))
+
+
+def test_bad_builder_and_bad_ranges_are_refused():
+    with pytest.raises(ValueError, match="builder: expected"):
+        build_plans_consecutive(masks.causal(10), 0, 10, 4, 4, builder="numpy")
+    with pytest.raises(ValueError, match=r"ranges: expected \[R, 4 \* M, T_k\] int32"):
+        triton_plan.plans_from_ranges(torch.zeros(1, 3, 5, dtype=torch.int32), 2, 4, 4)
