@@ -223,3 +223,11 @@ def test_h200_session_stages_build_the_intended_commands(tmp_path):
     assert "--masks sliding prefix" in kernel.stdout and "--long --out" in kernel.stdout and "--churn" not in kernel.stdout
     docs = stage("kernel")  # default families include docs: the long run and the churn come along
     assert "--masks causal docs dpo" in docs.stdout and "--long 524288" in docs.stdout and "--churn 16384" in docs.stdout
+    # The one-archive form (.fa4one, made by the pack stage): no unpack-libs stage needed first.
+    shutil.rmtree(site)
+    (tmp_path / "packed" / "nvidia_cutlass_dsl").mkdir(parents=True)
+    (repo / ".fa4one").mkdir()
+    subprocess.run(["tar", "cJf", str(repo / ".fa4one" / "site.tar.xz"), "-C", str(tmp_path / "packed"), "."], check=True)
+    one = stage("verify")
+    assert one.returncode == 0 and "verify_gpu.py --impls cute triton" in one.stdout, one.stdout + one.stderr
+    assert (site / "nvidia_cutlass_dsl").is_dir()

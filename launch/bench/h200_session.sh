@@ -11,20 +11,37 @@
 #
 # .fa4big and .fa4 come from ../shared/bench/fa4_wheels.sh run here (git-ignored). Stages 2 and 3
 # need stage 1's /tmp/site on the same warm machine: if the machine went cold, stage 1 again.
+#
+# One call instead of two (a cold machine between the calls costs a new start, and starts fail often):
+#   bash launch/bench/h200_session.sh pack     # here, once (~4 min on 2 cores): .fa4one/site.tar.xz,
+#                                              # everything in one xz with the x86 filter, 55 MiB
+# then carry [".fa4one"] in any stage and skip unpack-libs.
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 stage=${1:-}
 shift || true
-case "$stage" in unpack-libs|verify|kernel|tune) ;; *)
-  echo "usage: bash launch/bench/h200_session.sh unpack-libs|verify|kernel [MASK ...]|tune" >&2; exit 2 ;; esac
+case "$stage" in pack|unpack-libs|verify|kernel|tune) ;; *)
+  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune" >&2; exit 2 ;; esac
+if [ "$stage" = pack ]; then  # on this machine, not the GPU one
+  tmp=$(mktemp -d); tar xJf .fa4big/libs_cu13.tar.xz -C "$tmp"
+  for w in .fa4/*.whl; do python3 -m zipfile -e "$w" "$tmp"; done
+  rm -f "$tmp"/tvm_ffi/lib/libtvm_ffi_testing.so
+  mkdir -p .fa4one && (cd "$tmp" && tar cf - . | xz -T0 --x86 --lzma2=preset=9e,dict=256MiB) > .fa4one/site.tar.xz
+  rm -rf "$tmp"; grep -qx '/.fa4one/' .git/info/exclude || echo '/.fa4one/' >> .git/info/exclude
+  du -sh .fa4one; exit 0
+fi
 mkdir -p "$OUT"
 ln -sfn ../kernels fm_parallel/kernels  # the package mapping of pyproject, without installing (git-ignored)
 export PYTHONPATH="$PWD"
 
-fa4() {  # FlashAttention-4 + CuTe DSL on the path (stage 1 unpacked its libraries into /tmp/site)
-  [ -d /tmp/site/nvidia_cutlass_dsl ] || { echo "no /tmp/site: run the unpack-libs stage first (machine went cold?)"; exit 3; }
-  for w in .fa4/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+fa4() {  # FlashAttention-4 + CuTe DSL on the path (from .fa4one, or stage 1's /tmp/site + .fa4)
+  if [ -f .fa4one/site.tar.xz ]; then
+    mkdir -p /tmp/site && tar xJf .fa4one/site.tar.xz -C /tmp/site
+  else
+    [ -d /tmp/site/nvidia_cutlass_dsl ] || { echo "no /tmp/site: run the unpack-libs stage first (machine went cold?)"; exit 3; }
+    for w in .fa4/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+  fi
   export PYTHONPATH="$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages"
 }
 
