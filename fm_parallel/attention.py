@@ -111,9 +111,11 @@ def _dense_mask(attn_mask, b, hq, hkv, nq, nk, device) -> torch.Tensor:
 
 _BACKENDS = {"triton": "fm_parallel.kernels.triton_flashmask", "cute": "fm_parallel.kernels.cute_flashmask"}
 _LOADED: dict = {}  # backend name -> module, filled by _resolve_impl so the hot path is a dict lookup
-# What impl="auto" tries on CUDA, in order. "cute" goes first once launch/bench/verify_gpu.py has passed
-# on the H200 (issue 5): until then an untested backend must not become anyone's default.
-AUTO_ORDER_CUDA = ("triton",)
+# What impl="auto" tries on CUDA, in order. "cute" passed launch/bench/verify_gpu.py on the H200 (30/30,
+# every family, GQA, D 64-256, fp16, ring chunks, zigzag rows, lse gradients) and is the faster backend
+# there (docs/benchmarks/README.md); it is skipped when a reproducible backward is required.
+AUTO_ORDER_CUDA = ("cute", "triton")
+_NONDETERMINISTIC = {"cute"}  # backends whose backward adds dQ with atomics
 
 
 def _load(impl: str):
@@ -134,9 +136,12 @@ def _runs_here(impl: str, device: torch.device) -> bool:
 # Under torch.compile the choice is made once while tracing and baked into the graph (it depends only
 # on the requested name, the device and the installed packages), so imports never break the graph.
 @torch.compiler.assume_constant_result
-def _resolve_impl(impl: str, device: torch.device) -> str:
+def _resolve_impl(impl: str, device: torch.device, deterministic: bool = False) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    if deterministic and impl in _NONDETERMINISTIC:
+        raise ValueError(f"deterministic: impl={impl!r} has no reproducible backward (FA4 adds dQ with atomics on "
+                         "Hopper); use impl='triton' or 'auto', or deterministic=False")
     if impl in _BACKENDS:
         if not _runs_here(impl, device):
             raise ValueError(f"impl: {impl!r} needs CUDA tensors, got device {device}")
@@ -147,6 +152,8 @@ def _resolve_impl(impl: str, device: torch.device) -> str:
     if impl == "auto":
         if device.type == "cuda":
             for name in AUTO_ORDER_CUDA:
+                if deterministic and name in _NONDETERMINISTIC:
+                    continue
                 try:
                     if _supports(_load(name), device):
                         return name
@@ -177,7 +184,7 @@ def flashmask_attention(
     impl: str = "auto",
     return_lse: bool = False,
     block_size: int = DEFAULT_BLOCK,
-    deterministic: bool = True,
+    deterministic: bool = False,
 ):
     """Attention under a FlashMask, in SDPA layout.
 
@@ -195,15 +202,15 @@ def flashmask_attention(
         q_offset: global row of the first query when ``q`` is a slice of the sequence.
         q_positions: ``[Nq]`` global row of each query instead (zigzag shards).
         impl: ``"auto"`` (on CUDA the first of ``AUTO_ORDER_CUDA`` that is installed, runs on the
-            device and takes the inputs — Triton for now; elsewhere the PyTorch path), ``"cute"``
+            device and takes the inputs: CuTe on Hopper with flash-attn-4, else Triton; elsewhere the
+            PyTorch path), ``"cute"``
             (FlashAttention-4's kernels, Hopper, the ``[cute]`` extra), ``"triton"``, ``"torch"`` or
             ``"dense"``. An explicit choice is honoured or raises, saying what is missing.
         return_lse: also return the log-sum-exp ``[B, Hq, Nq]`` float32 (natural log).
         block_size: tile size of the PyTorch path.
-        deterministic: Triton backward with a separate dQ pass (reproducible bit for bit); False lets
-            the dK/dV pass accumulate dQ with atomics (one recomputation fewer). The PyTorch path is
-            always deterministic; the CuTe path never is (FA4 has no deterministic block-sparse
-            backward on Hopper; logged once).
+        deterministic: require a backward that is reproducible bit for bit. The Triton and PyTorch
+            paths always are; the CuTe path is not (FA4 adds dQ with atomics on Hopper), so with True
+            ``impl="auto"`` picks Triton and ``impl="cute"`` raises.
     Returns:
         ``out [B, Hq, Nq, Dv]`` in q's dtype (and ``lse``). Rows that see no key give 0 (lse -inf)
         and no NaN in any gradient.
@@ -222,7 +229,9 @@ def flashmask_attention(
                                   ("attn_mask", attn_mask is not None), ("is_causal", bool(is_causal))) if given]
     if len(sources) > 1:
         raise ValueError(f"mask: expected at most one of fms/fme, mask, attn_mask, is_causal, got {sources}")
-    requested, impl = impl, _resolve_impl(impl, q.device)
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic: expected a bool, got {deterministic!r}")
+    requested, impl = impl, _resolve_impl(impl, q.device, deterministic)
     if impl == "cute" and (why := _LOADED["cute"].unsupported(q, v)):
         if requested != "auto":
             raise ValueError(why)

@@ -20,8 +20,6 @@ ring needs. The version is pinned for that reason.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
@@ -33,8 +31,6 @@ from fm_parallel.masks.flashmask import FlashMask
 __all__ = ["attention", "cute_fwd", "cute_bwd", "supports", "unsupported"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
-log = logging.getLogger("fm_parallel")
-_told_nondeterministic = False
 
 
 def supports(device: torch.device) -> bool:
@@ -98,18 +94,13 @@ def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_
 
 
 def cute_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, dlse=None,
-             q_offset: int | None = None, deterministic: bool = True):
+             q_offset: int | None = None, deterministic: bool = False):
     """Backward from the (possibly ring-merged) ``out`` and ``lse``: ``(dq, dk, dv)`` like the inputs.
     ``dlse``: the gradient reaching ``lse`` (the ring merge produces one).
 
     FA4 4.0.0b36 has no deterministic block-sparse backward on SM90 (it asserts): dQ is always added
-    with atomics here, and ``deterministic=True`` is logged once instead of honoured; impl="triton"
-    is the bitwise-reproducible backend."""
-    global _told_nondeterministic
-    if deterministic and not _told_nondeterministic:
-        _told_nondeterministic = True
-        log.warning("fm_parallel: impl='cute' backward adds dQ with atomics (FA4 has no deterministic block-sparse "
-                    "backward on Hopper); use impl='triton' for bitwise-reproducible gradients")
+    with atomics here. ``flashmask_attention`` refuses ``impl="cute", deterministic=True`` at its
+    boundary; ``deterministic`` is accepted for the shared launcher interface."""
     hq, d = q.shape[1], q.shape[-1]
     _, bwd_sparsity = _sparsity(mask, positions, hq, d, q_offset)
     mask_mod, aux = _mask_args(mask, positions, hq, q_offset)
@@ -127,7 +118,7 @@ _attention = define_attention_op("flashmask_cute", cute_fwd, cute_bwd)
 
 
 def attention(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None,
-              deterministic: bool = True):
+              deterministic: bool = False):
     """Differentiable FlashMask attention on FA4's kernels (``fm_parallel::flashmask_cute_fwd``);
     inputs validated by the caller, :func:`unsupported` included."""
     return _attention(q, k, v, mask, positions, scale, q_offset, deterministic)

@@ -147,10 +147,10 @@ def flashmask_fwd_kernel(
 
 @triton.jit
 def _bwd_kv_tile(
-    b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, POS, fm_s, fm_e, qb, offs_n, Nq, Nk,
-    stride_qn, stride_don, stride_dqn, qk_scale, scale, offs_d, offs_dv,
+    b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, POS, fm_s, fm_e, qb, offs_n, Nq, Nk,
+    stride_qn, stride_don, qk_scale, offs_d, offs_dv,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, M_INT: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, ATOMIC_DQ: tl.constexpr, WIDE: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr,
 ):
     # Works on transposed tiles (keys x queries) so that no register tile needs a transpose:
     # only the loaded q block is read transposed.
@@ -176,27 +176,21 @@ def _bwd_kv_tile(
     b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)
     b_dst = b_pt * (b_dpt - b_delta[None, :])
     b_dk += tl.dot(b_dst.to(b_qt.dtype), tl.trans(b_qt), input_precision=PREC)
-    if ATOMIC_DQ:
-        # Non-deterministic backward: this tile's dQ goes straight into a float32 buffer, saving
-        # the separate dQ pass and its recomputation of QK^T.
-        b_dq = tl.dot(tl.trans(b_dst).to(b_k.dtype), b_k, input_precision=PREC) * scale
-        tl.atomic_add(p_dq + offs_m[:, None] * stride_dqn + offs_d[None, :], b_dq, mask=in_m[:, None] & (offs_d[None, :] < D))
     return b_dk, b_dv
 
 
 @triton.jit
 def flashmask_bwd_kv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV_OUT, DQ_ACC, FMS, FME, POS,
+    Q, K, V, DO, LSE, DELTA, DK, DV_OUT, FMS, FME, POS,
     FULL_OFF, FULL_RUNS, PART_OFF, PART_RUNS, ORDER,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    stride_dqb, stride_dqh, stride_dqn, stride_mb, stride_mh,
+    stride_mb, stride_mh,
     Nq, Nk, Hq, Hkv, Hm, Bm, num_k_blocks, q_per_kv, q_per_mask_head, qk_scale, scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     WIDE: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
 ):
     pid_n, pid_bh = _program_ids(ORDER, WIDE)
     b = pid_bh // Hkv
@@ -224,7 +218,6 @@ def flashmask_bwd_kv_kernel(
         p_do = DO + b * stride_dob + h * stride_doh
         p_lse = LSE + (b * Hq + h) * Nq
         p_delta = DELTA + (b * Hq + h) * Nq
-        p_dq = DQ_ACC + b * stride_dqb + h * stride_dqh
         fm_s = FMS + mb * stride_mb + mh * stride_mh
         fm_e = FME + mb * stride_mb + mh * stride_mh
         r0 = tl.load(FULL_OFF + row)
@@ -233,18 +226,18 @@ def flashmask_bwd_kv_kernel(
             qb0 = tl.load(FULL_RUNS + 2 * r)
             qb1 = tl.load(FULL_RUNS + 2 * r + 1)
             for qb in range(qb0, qb1):
-                b_dk, b_dv = _bwd_kv_tile(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, POS, fm_s, fm_e, qb,
-                                          offs_n, Nq, Nk, stride_qn, stride_don, stride_dqn, qk_scale, scale,
-                                          offs_d, offs_dv, D, DV, BLOCK_M, M_INT, False, UPCAST, PREC, ATOMIC_DQ, WIDE)
+                b_dk, b_dv = _bwd_kv_tile(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, POS, fm_s, fm_e, qb,
+                                          offs_n, Nq, Nk, stride_qn, stride_don, qk_scale,
+                                          offs_d, offs_dv, D, DV, BLOCK_M, M_INT, False, UPCAST, PREC, WIDE)
         r0 = tl.load(PART_OFF + row)
         r1 = tl.load(PART_OFF + row + 1)
         for r in range(r0, r1):
             qb0 = tl.load(PART_RUNS + 2 * r)
             qb1 = tl.load(PART_RUNS + 2 * r + 1)
             for qb in range(qb0, qb1):
-                b_dk, b_dv = _bwd_kv_tile(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, p_dq, POS, fm_s, fm_e, qb,
-                                          offs_n, Nq, Nk, stride_qn, stride_don, stride_dqn, qk_scale, scale,
-                                          offs_d, offs_dv, D, DV, BLOCK_M, M_INT, True, UPCAST, PREC, ATOMIC_DQ, WIDE)
+                b_dk, b_dv = _bwd_kv_tile(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, POS, fm_s, fm_e, qb,
+                                          offs_n, Nq, Nk, stride_qn, stride_don, qk_scale,
+                                          offs_d, offs_dv, D, DV, BLOCK_M, M_INT, True, UPCAST, PREC, WIDE)
     tl.store(DK + b * stride_dkb + kvh * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
              (b_dk * scale).to(DK.dtype.element_ty), mask=in_n[:, None] & (offs_d[None, :] < D))
     tl.store(DV_OUT + b * stride_dvb + kvh * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :],

@@ -75,6 +75,10 @@ def test_explicit_impl_is_honoured_or_raises(monkeypatch):
     q, k, v = qkv(1, 1, 1, 8, 8, torch.float32)
     with pytest.raises(ValueError, match="impl: 'cute' needs CUDA tensors, got device cpu"):
         flashmask_attention(q, k, v, impl="cute")
+    with pytest.raises(ValueError, match="deterministic: impl='cute' has no reproducible backward"):
+        flashmask_attention(q, k, v, impl="cute", deterministic=True)
+    with pytest.raises(ValueError, match="deterministic: expected a bool, got 'yes'"):
+        flashmask_attention(q, k, v, deterministic="yes")
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # outside the interpreter Triton needs a GPU
     with pytest.raises(ValueError, match="impl: 'triton' needs CUDA tensors, got device cpu"):
         flashmask_attention(q, k, v, impl="triton")
@@ -92,13 +96,16 @@ def test_auto_on_cuda_prefers_a_cute_backend_that_supports_the_device(monkeypatc
     from fm_parallel import attention
 
     cuda = torch.device("cuda")
-    assert attention.AUTO_ORDER_CUDA[-1] == "triton"
-    monkeypatch.setattr(attention, "AUTO_ORDER_CUDA", ("cute", "triton"))  # the order once cute is verified
+    assert attention.AUTO_ORDER_CUDA == ("cute", "triton")  # cute passed verify_gpu.py on the H200
     hopper = types.SimpleNamespace(supports=lambda device: True)
     other_gpu = types.SimpleNamespace(supports=lambda device: False)
     triton = types.SimpleNamespace()
     monkeypatch.setattr(attention, "_LOADED", {"cute": hopper, "triton": triton})
     assert attention._resolve_impl("auto", cuda) == "cute"
+    # A reproducible backward required: auto skips the atomics-based backend, an explicit cute is refused.
+    assert attention._resolve_impl("auto", cuda, deterministic=True) == "triton"
+    with pytest.raises(ValueError, match="deterministic: impl='cute' has no reproducible backward"):
+        attention._resolve_impl("cute", cuda, deterministic=True)
     monkeypatch.setattr(attention, "_LOADED", {"cute": other_gpu, "triton": triton})
     assert attention._resolve_impl("auto", cuda) == "triton"
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA A100")

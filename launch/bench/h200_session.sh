@@ -58,7 +58,7 @@ case "$stage" in
     churn=(); [[ " ${masks[*]} " == *" docs "* ]] && churn=(--churn 16384)  # once, with the docs family
     long=(--long); [[ " ${masks[*]} " == *" docs "* ]] && long=(--long 524288)  # bare --long: none
     python3 launch/bench/kernel.py --ns 16384 65536 --masks ${masks[*]} \
-      --impls cute triton triton_atomic flex flex_flash fa4 sdpa --quick --extra-dims-at 0 "${long[@]}" \
+      --impls cute triton flex flex_flash fa4 sdpa --quick --extra-dims-at 0 "${long[@]}" \
       ${churn[@]+"${churn[@]}"} --out "$OUT" --tag "$tag" 2>&1 | tee "$OUT/$tag.log" ;;
   tune)
     python3 launch/bench/tune_triton.py --d 64 128 256 --n 16384 --out "$OUT" --tag tune_triton_all 2>&1 | tee "$OUT/tune.log" ;;

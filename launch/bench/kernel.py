@@ -162,9 +162,6 @@ def run_case(name, n, heads, d, impls, quick, peers) -> list[dict]:
     if "cute" in impls:  # FA4's CuTe kernels with our block sparsity and mask_mod (issue 5)
         cute = lambda: flashmask_attention(q, k, v, mask=fm, impl="cute")  # noqa: E731
         rows.append(measure("fm_cute", cute, q, k, v, do, pairs, heads, d, quick))
-    if "triton_atomic" in impls:  # backward with dQ accumulated by float32 atomics in the dK/dV pass
-        atomic = lambda: flashmask_attention(q, k, v, mask=fm, impl="triton", deterministic=False)  # noqa: E731
-        rows.append(measure("fm_triton_atomic_dq", atomic, q, k, v, do, pairs, heads, d, quick))
     bm = None
     if {"flex", "flex_flash"} & set(impls):
         t0 = time.perf_counter()

@@ -162,12 +162,15 @@ def test_both_orientations_from_one_classification():
             assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
-@pytest.mark.parametrize("hq,hkv,hm", [(2, 1, 1), (4, 2, 4)])
-def test_atomic_dq_backward_matches_the_reference(hq, hkv, hm):
-    fms, fme, _ = random_intervals(1, hm, 70, 70, 3, seed=hq + hm)
-    m = FlashMask(fms, fme, 70)
-    q, k, v = on_device(*qkv(1, hq, hkv, 70, 16, torch.float32, seed=3))
-    assert_matches_reference(run(q, k, v, m, deterministic=False), q, k, v, m.to(DEVICE))
+def test_backward_is_bitwise_reproducible_and_deterministic_true_is_accepted():
+    fms, fme, _ = random_intervals(1, 2, 70, 70, 2, seed=8)
+    m = FlashMask(fms, fme, 70).to(DEVICE)
+    grads = []
+    for deterministic in (False, True, True):
+        q, k, v = on_device(*qkv(1, 4, 2, 70, 16, torch.float32, seed=9))
+        flashmask_attention(q, k, v, mask=m, impl="triton", deterministic=deterministic).sum().backward()
+        grads.append([x.grad for x in (q, k, v)])
+    assert all(torch.equal(a, b) for g in grads[1:] for a, b in zip(grads[0], g))
 
 
 def test_64_bit_offsets_are_chosen_past_2_to_the_31_elements():
@@ -192,5 +195,4 @@ def test_64_bit_offset_path_matches_the_reference(monkeypatch):
     fms, fme, _ = random_intervals(1, 2, 70, 70, 2, seed=5)
     m = FlashMask(fms, fme, 70)
     q, k, v = on_device(*qkv(1, 4, 2, 70, 16, torch.float32, seed=4))
-    for deterministic in (True, False):
-        assert_matches_reference(run(q, k, v, m, deterministic=deterministic), q, k, v, m.to(DEVICE))
+    assert_matches_reference(run(q, k, v, m), q, k, v, m.to(DEVICE))
