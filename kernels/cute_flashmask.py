@@ -25,7 +25,8 @@ from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
 from fm_parallel.kernels.custom_op import define_attention_op
 from fm_parallel.kernels.cute_mask_mod import flashmask_mask_mod
-from fm_parallel.kernels.fa4_sparsity import fa4_block_sparsity, fa4_tile_shape, pack_bounds
+from fm_parallel.kernels.fa4_sparsity import (fa4_block_sparsity, fa4_block_sparsity_consecutive, fa4_tile_shape,
+                                              pack_bounds)
 from fm_parallel.masks.flashmask import FlashMask
 
 __all__ = ["attention", "cute_fwd", "cute_bwd", "supports", "unsupported"]
@@ -58,12 +59,14 @@ def _sparsity(mask: FlashMask, positions: torch.Tensor, num_heads: int, head_dim
     """FA4's (forward, backward) block-sparse tensors, cached on the mask for consecutive rows."""
     block_q, block_k = fa4_tile_shape(head_dim)
 
-    def make():
+    if q_offset is None:  # arbitrary rows (zigzag shards): the dense tile grid, no cheap cache key
         fwd, bwd = fa4_block_sparsity(mask, block_q, block_k, num_heads, positions)
         return fwd.to_fa4(), bwd.to_fa4()
 
-    if q_offset is None:  # arbitrary rows (zigzag shards): no cheap cache key
-        return make()
+    def make():  # consecutive rows: the lists built on the GPU from the tile ranges
+        fwd, bwd = fa4_block_sparsity_consecutive(mask, block_q, block_k, num_heads, q_offset, positions.numel())
+        return fwd.to_fa4(), bwd.to_fa4()
+
     return mask.cached(("fa4_sparsity", block_q, block_k, num_heads, q_offset, positions.numel()), make)
 
 

@@ -26,9 +26,9 @@ import torch
 from fm_parallel.masks.blocks import TileClass
 from fm_parallel.masks.flashmask import FlashMask
 
-from .plan import _classes
+from .plan import _classes, consecutive_ranges, packed_ranges
 
-__all__ = ["FA4BlockSparsity", "fa4_block_sparsity", "fa4_tile_shape", "pack_bounds"]
+__all__ = ["FA4BlockSparsity", "fa4_block_sparsity", "fa4_block_sparsity_consecutive", "fa4_tile_shape", "pack_bounds"]
 
 
 def pack_bounds(fms: torch.Tensor, fme: torch.Tensor, row_offset: int = 0) -> torch.Tensor:
@@ -149,3 +149,29 @@ def fa4_block_sparsity(mask: FlashMask, block_q: int, block_k: int, num_heads: i
         order_full = torch.gather(rank_t, -1, full_idx.long()).contiguous()
     bwd = FA4BlockSparsity(full_cnt, full_idx, part_cnt, part_idx, (block_q, block_k), True, order, order_full)
     return fwd, bwd
+
+
+def fa4_block_sparsity_consecutive(mask: FlashMask, block_q: int, block_k: int, num_heads: int | None,
+                                   row_offset: int, num_rows: int) -> tuple[FA4BlockSparsity, FA4BlockSparsity]:
+    """:func:`fa4_block_sparsity` for the consecutive rows ``row_offset .. row_offset + num_rows - 1``
+    (a whole mask, a ring chunk), built on the GPU by :func:`.triton_plan.lists_from_ranges` from the
+    tile ranges: two kernel launches and about thirty small operations, no host sync, instead of the
+    dense tile grid's compaction (what a new mask costs per call). Same lists (tested)."""
+    from .triton_plan import lists_from_ranges
+
+    if block_q <= 0 or block_k <= 0:
+        raise ValueError(f"block_q, block_k: expected positive tile sizes, got {block_q}, {block_k}")
+    ranges, tq, tk = consecutive_ranges(mask, row_offset, num_rows, block_q, block_k)
+    packed = packed_ranges(ranges)  # [Bm * Hm, 4M, T_k]
+    heads = mask.heads
+    if mask.heads not in (1, num_heads or mask.heads):
+        if num_heads is None or num_heads % mask.heads:
+            raise ValueError(f"num_heads: expected a multiple of the mask's {mask.heads} heads, got {num_heads}")
+        packed = packed.view(mask.batch, mask.heads, *packed.shape[1:]).repeat_interleave(num_heads // mask.heads, dim=1)
+        packed, heads = packed.flatten(0, 1), num_heads
+    out = []
+    for transposed in (False, True):
+        full_cnt, full_idx, part_cnt, part_idx = (
+            x.view(mask.batch, heads, *x.shape[1:]) for x in lists_from_ranges(packed, tq, transposed))
+        out.append(FA4BlockSparsity(full_cnt, full_idx, part_cnt, part_idx, (block_q, block_k), transposed))
+    return out[0], out[1]

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from fm_parallel.masks.blocks import TileClass, classify_tiles, row_block_bounds
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["BlockSparsePlan", "build_plan", "build_plans", "build_plans_consecutive"]
+__all__ = ["BlockSparsePlan", "build_plan", "build_plans", "build_plans_consecutive", "consecutive_ranges", "packed_ranges"]
 
 
 @dataclass(frozen=True)
@@ -203,6 +203,26 @@ def _per_query_block(ranges, tq: int, tk: int) -> list[tuple[torch.Tensor, torch
     return out
 
 
+def consecutive_ranges(mask: FlashMask, row_offset: int, num_rows: int, block_m: int, block_n: int):
+    """``(ranges, tq, tk)``: the tile ranges of consecutive query rows (``[R, T_k, M]`` x 4, the ragged
+    last key block's cover range emptied: it is never FULL, its missing columns need masking)."""
+    from fm_parallel.masks.blocks import tile_ranges
+
+    summary = mask.block_summary(block_n)
+    tq, tk = -(-num_rows // block_m), summary.num_blocks
+    ranges = [x.flatten(0, 1) for x in tile_ranges(summary, row_offset, num_rows, block_m)]  # [R, T_k, M]
+    if mask.num_keys % block_n:
+        ranges[2][:, -1], ranges[3][:, -1] = tq, -1
+    return ranges, tq, tk
+
+
+def packed_ranges(ranges) -> torch.Tensor:
+    """``[R, T_k, M]`` x 4 -> ``[R, 4 * M, T_k]`` int32, each field contiguous along the key blocks
+    (the layout of :mod:`.triton_plan`)."""
+    r, tk = ranges[0].shape[:2]
+    return torch.stack(ranges, dim=-1).permute(0, 2, 3, 1).reshape(r, -1, tk).to(torch.int32)
+
+
 def build_plans_consecutive(mask: FlashMask, row_offset: int, num_rows: int, block_m: int,
                             block_n: int, builder: str = "auto") -> tuple[BlockSparsePlan, BlockSparsePlan]:
     """``build_plans`` for the consecutive query rows ``row_offset .. row_offset + num_rows - 1``,
@@ -210,21 +230,13 @@ def build_plans_consecutive(mask: FlashMask, row_offset: int, num_rows: int, blo
 
     ``builder``: ``"torch"`` (the operations below), ``"triton"`` (:mod:`.triton_plan`: four kernel
     launches and one sync, what a GPU wants), or ``"auto"``: Triton for a mask on CUDA."""
-    from fm_parallel.masks.blocks import tile_ranges
-
     if builder not in ("auto", "torch", "triton"):
         raise ValueError(f"builder: expected 'auto', 'torch' or 'triton', got {builder!r}")
-    summary = mask.block_summary(block_n)
-    tq, tk = -(-num_rows // block_m), summary.num_blocks
-    ranges = [x.flatten(0, 1) for x in tile_ranges(summary, row_offset, num_rows, block_m)]  # [R, T_k, M]
-    if mask.num_keys % block_n:  # a ragged last key block is never FULL: its missing columns need masking
-        ranges[2][:, -1], ranges[3][:, -1] = tq, -1
+    ranges, tq, tk = consecutive_ranges(mask, row_offset, num_rows, block_m, block_n)
     if builder == "triton" or (builder == "auto" and mask.device.type == "cuda"):
         from fm_parallel.kernels.triton_plan import plans_from_ranges
 
-        # [R, T_k, M] x 4 -> [R, 4 * M, T_k] int32: each field contiguous along the key blocks.
-        packed = torch.stack(ranges, dim=-1).permute(0, 2, 3, 1).reshape(ranges[0].shape[0], -1, tk)
-        return plans_from_ranges(packed.to(torch.int32), tq, block_m, block_n)
+        return plans_from_ranges(packed_ranges(ranges), tq, block_m, block_n)
     rows_total = ranges[0].shape[0]
     plans = []
     for transposed in (False, True):

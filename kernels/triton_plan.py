@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["plans_from_ranges"]
+__all__ = ["plans_from_ranges", "lists_from_ranges"]
 
 _CHUNK = 1024  # inner blocks per step of a program (a power of two; 4 warps hold 8 per thread)
 
@@ -163,3 +163,59 @@ def plans_from_ranges(ranges: torch.Tensor, tq: int, block_m: int, block_n: int)
         plans.append(BlockSparsePlan(block_m, block_n, transposed, outer, offs[0].contiguous(), full_runs,
                                      offs[1].contiguous(), part_runs, order))
     return plans[0], plans[1]
+
+
+@triton.jit
+def _lists_kernel(p_ranges, p_full_cnt, p_full_idx, p_part_cnt, p_part_idx, Tq, Tk,
+                  M: tl.constexpr, TRANSPOSED: tl.constexpr, CHUNK: tl.constexpr):
+    """FA4's dense block lists, one program per (outer block ``o``, mask row ``r``): the ascending
+    indices of the full and of the partial inner blocks, zeros past the count, and the counts."""
+    o = tl.program_id(0)
+    r = tl.program_id(1)
+    p_row = p_ranges + r * (4 * M) * Tk
+    if TRANSPOSED:
+        t_outer = Tk
+        t_inner = Tq
+    else:
+        t_outer = Tq
+        t_inner = Tk
+    row = r * t_outer + o
+    p_full = p_full_idx + row.to(tl.int64) * t_inner
+    p_part = p_part_idx + row.to(tl.int64) * t_inner
+    n_full = 0
+    n_part = 0
+    for first in range(0, t_inner, CHUNK):
+        i = first + tl.arange(0, CHUNK)
+        if TRANSPOSED:
+            cls = _class_at(p_row, i, o, Tq, Tk, M)
+        else:
+            cls = _class_at(p_row, o, i, Tq, Tk, M)
+        is_full = (cls == 2).to(tl.int32)
+        is_part = (cls == 1).to(tl.int32)
+        tl.store(p_full + n_full + tl.cumsum(is_full, 0) - 1, i, mask=is_full > 0)
+        tl.store(p_part + n_part + tl.cumsum(is_part, 0) - 1, i, mask=is_part > 0)
+        n_full += tl.sum(is_full, 0)
+        n_part += tl.sum(is_part, 0)
+    for first in range(0, t_inner, CHUNK):  # the tails: zeros past the counts
+        i = first + tl.arange(0, CHUNK)
+        tl.store(p_full + i, tl.zeros_like(i), mask=(i >= n_full) & (i < t_inner))
+        tl.store(p_part + i, tl.zeros_like(i), mask=(i >= n_part) & (i < t_inner))
+    tl.store(p_full_cnt + row, n_full)
+    tl.store(p_part_cnt + row, n_part)
+
+
+def lists_from_ranges(ranges: torch.Tensor, tq: int, transposed: bool):
+    """FA4's block lists of one orientation from the tile ranges (see :func:`plans_from_ranges` for
+    ``ranges``): ``(full_cnt, full_idx, part_cnt, part_idx)``, counts ``[R, T_outer]`` and indices
+    ``[R, T_outer, T_inner]`` int32, one kernel launch, no host sync."""
+    if ranges.dim() != 3 or ranges.shape[1] % 4 or ranges.dtype != torch.int32:
+        raise ValueError(f"ranges: expected [R, 4 * M, T_k] int32, got {list(ranges.shape)} {ranges.dtype}")
+    num_rows, fields, tk = ranges.shape
+    outer, inner = (tk, tq) if transposed else (tq, tk)
+    ranges = ranges.contiguous()
+    full_cnt, part_cnt = (torch.empty(num_rows, outer, dtype=torch.int32, device=ranges.device) for _ in range(2))
+    full_idx, part_idx = (torch.empty(num_rows, outer, inner, dtype=torch.int32, device=ranges.device) for _ in range(2))
+    if outer and inner:
+        _lists_kernel[(outer, num_rows)](ranges, full_cnt, full_idx, part_cnt, part_idx, tq, tk,
+                                         M=fields // 4, TRANSPOSED=transposed, CHUNK=_CHUNK)
+    return full_cnt, full_idx, part_cnt, part_idx

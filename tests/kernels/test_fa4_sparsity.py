@@ -137,3 +137,44 @@ def test_packed_bounds_decode_to_the_mask_as_the_mask_mod_reads_them(offset):
     local = torch.arange(90 - offset).view(1, 1, -1, 1, 1)  # local query index = global row - offset
     visible = ((first.unsqueeze(2) <= local) & (local <= last.unsqueeze(2))).any(-1)  # [B, H, Nq, Nk]
     assert torch.equal(visible, m.to_dense(rows=torch.arange(offset, 90)))
+
+
+# The GPU builder for consecutive rows (Triton, under the interpreter here): the same lists exactly.
+FIELDS = ("full_block_cnt", "full_block_idx", "mask_block_cnt", "mask_block_idx")
+
+
+def assert_same_lists(got, want):
+    for g, w in zip(got, want):
+        for name in FIELDS:
+            a, b = getattr(g, name).cpu(), getattr(w, name)
+            assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b), name
+        assert (g.block_size, g.transposed) == (w.block_size, w.transposed)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_consecutive_builder_equals_the_dense_grid(family, monkeypatch):
+    pytest.importorskip("triton")
+    from fm_parallel.kernels import triton_plan
+    from fm_parallel.kernels.fa4_sparsity import fa4_block_sparsity_consecutive
+
+    monkeypatch.setattr(triton_plan, "_CHUNK", 4)  # lists cross chunk boundaries
+    m = FAMILIES[family]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    got = fa4_block_sparsity_consecutive(m.to(device), 16, 8, None, 0, m.num_rows)
+    assert_same_lists(got, fa4_block_sparsity(m, 16, 8))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_consecutive_builder_on_row_slices_batches_and_kv_head_masks(seed, monkeypatch):
+    pytest.importorskip("triton")
+    from fm_parallel.kernels import triton_plan
+    from fm_parallel.kernels.fa4_sparsity import fa4_block_sparsity_consecutive
+
+    monkeypatch.setattr(triton_plan, "_CHUNK", 4)
+    fms, fme, _ = random_intervals(2, 2, 70, 70, 1 + seed % 3, seed=seed)
+    m = FlashMask(fms, fme, 70)
+    offset, rows = 7 * seed, 70 - 9 * seed
+    got = fa4_block_sparsity_consecutive(m, 8, 16, 4, offset, rows)  # 4 query heads over 2 mask heads
+    assert_same_lists(got, fa4_block_sparsity(m, 8, 16, num_heads=4, positions=torch.arange(offset, offset + rows)))
+    with pytest.raises(ValueError, match="num_heads: expected a multiple of the mask's 2 heads, got 3"):
+        fa4_block_sparsity_consecutive(m, 8, 16, 3, 0, 70)
