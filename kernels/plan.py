@@ -203,6 +203,12 @@ def _per_query_block(ranges, tq: int, tk: int) -> list[tuple[torch.Tensor, torch
     return out
 
 
+# The Triton builder scans every (query block, key block) pair; the PyTorch one is O(T_k) operations
+# of fixed count. H200, packed docs, 64 x 64 blocks (docs/benchmarks/README.md): Triton 2.8 vs 6.1 ms
+# at 512k (8192^2 tiles), 8.6 vs 5.9 ms at 1M (16384^2): the crossing lies between.
+_TRITON_MAX_TILES = 8192 * 8192 * 2
+
+
 def consecutive_ranges(mask: FlashMask, row_offset: int, num_rows: int, block_m: int, block_n: int):
     """``(ranges, tq, tk)``: the tile ranges of consecutive query rows (``[R, T_k, M]`` x 4, the ragged
     last key block's cover range emptied: it is never FULL, its missing columns need masking)."""
@@ -229,11 +235,12 @@ def build_plans_consecutive(mask: FlashMask, row_offset: int, num_rows: int, blo
     without classifying every tile (see the section comment). Same result, O(N / block) work.
 
     ``builder``: ``"torch"`` (the operations below), ``"triton"`` (:mod:`.triton_plan`: four kernel
-    launches and one sync, what a GPU wants), or ``"auto"``: Triton for a mask on CUDA."""
+    launches and one sync, what a GPU wants), or ``"auto"``: Triton for a mask on CUDA up to
+    ``_TRITON_MAX_TILES`` tiles per mask row, PyTorch beyond."""
     if builder not in ("auto", "torch", "triton"):
         raise ValueError(f"builder: expected 'auto', 'torch' or 'triton', got {builder!r}")
     ranges, tq, tk = consecutive_ranges(mask, row_offset, num_rows, block_m, block_n)
-    if builder == "triton" or (builder == "auto" and mask.device.type == "cuda"):
+    if builder == "triton" or (builder == "auto" and mask.device.type == "cuda" and tq * tk <= _TRITON_MAX_TILES):
         from fm_parallel.kernels.triton_plan import plans_from_ranges
 
         return plans_from_ranges(packed_ranges(ranges), tq, block_m, block_n)
