@@ -97,8 +97,6 @@ def resources(kind: str, d: int, shape: tuple[int, int, int, int]) -> dict:
     block_m, block_n, warps, stages = shape
     const = dict(D=d, DV=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d), BLOCK_M=block_m,
                  BLOCK_N=block_n, M_INT=1, UPCAST=False, PREC="tf32", WIDE=False)
-    if kind == "bwd_kv":
-        const["ATOMIC_DQ"] = False
     src = ASTSource(fn=kernel, signature=_signature(kernel, const),
                     constexprs={(kernel.arg_names.index(n),): v for n, v in const.items()})
     t0 = time.perf_counter()
