@@ -7,6 +7,9 @@ with a dozen host syncs (``nonzero``, ``repeat_interleave``): on the H200 that i
 all launch and sync overhead. Here the same lists come from two passes of one Triton kernel per
 orientation, one program per (mask row, outer block), scanning the inner blocks in chunks:
 
+0. (PyTorch, ~15 operations) per program the span of inner blocks that can be visited at all
+   (:func:`_inner_bounds`): a document's width for packed documents, so the scans below do not
+   grow with N^2 there (causal masks still scan their whole triangle);
 1. count: runs of full and of partial tiles, and the tiles visited (for the launch order);
 2. (host) offsets = cumsum of the counts, one sync for the run totals, the arrays allocated;
 3. write: the same scan, each run's start and end stored at its slot (``cumsum`` inside the chunk).
@@ -52,7 +55,7 @@ def _class_at(p_ranges, qb, kb, Tq, Tk, M: tl.constexpr):
 
 @triton.jit
 def _plan_kernel(
-    p_ranges, p_counts, p_work, p_full_offsets, p_full_runs, p_part_offsets, p_part_runs,
+    p_ranges, p_bounds, p_counts, p_work, p_full_offsets, p_full_runs, p_part_offsets, p_part_runs,
     Tq, Tk, R,
     M: tl.constexpr, TRANSPOSED: tl.constexpr, WRITE: tl.constexpr, CHUNK: tl.constexpr,
 ):
@@ -61,7 +64,9 @@ def _plan_kernel(
 
     Count pass (not WRITE): ``counts[0 | 1, r * T_outer + o]`` = runs of full | partial tiles,
     ``work[r, o]`` = tiles visited. Write pass: runs ``[start, end)`` at ``offsets[r * T_outer + o]``
-    onwards. Runs are found as (class here) != (class one inner block before / after)."""
+    onwards. Runs are found as (class here) != (class one inner block before / after).
+    ``bounds[0 | 1, r * T_outer + o]``: first / last inner block that may be visited (see
+    :func:`_inner_bounds`); the scan covers only those."""
     o = tl.program_id(0)
     r = tl.program_id(1)
     p_row = p_ranges + r * (4 * M) * Tk
@@ -83,7 +88,9 @@ def _plan_kernel(
         part_start = 0
         part_end = 0
     work = 0
-    for first in range(0, t_inner, CHUNK):
+    lo = tl.load(p_bounds + row)
+    hi = tl.load(p_bounds + R * t_outer + row)
+    for first in range(lo, hi + 1, CHUNK):
         i = first + tl.arange(0, CHUNK)
         if TRANSPOSED:
             here = _class_at(p_row, i, o, Tq, Tk, M)
@@ -115,6 +122,33 @@ def _plan_kernel(
         tl.store(p_work + row, work)
 
 
+def _inner_bounds(ranges: torch.Tensor, tq: int, transposed: bool) -> torch.Tensor:
+    """``[2, R * T_outer]`` int32: per (mask row, outer block) the first and last inner block that some
+    interval slot *reaches* (every visited tile lies between; lo > hi: none), so a program scans that
+    span instead of every inner block. Conservative, hence exact plans: a block outside is skipped.
+
+    Key block kb reaches the query blocks ``[reach_first, reach_last]`` of each non-empty slot. Per key
+    block (the dK/dV plan) that is min / max over the slots. Per query block qb (the forward plan):
+    last = the largest kb whose reach starts at or before qb (a running max over qb), first = the
+    smallest kb whose reach ends at or after qb (a running min from the end)."""
+    num_rows, fields, tk = ranges.shape
+    first, last = ranges[:, 0::4, :].long(), ranges[:, 1::4, :].long()  # [R, M, T_k]
+    live = first <= last
+    if transposed:
+        lo = torch.where(live, first, tq).amin(1)
+        hi = torch.where(live, last, -1).amax(1)
+        return torch.stack([lo, hi]).reshape(2, -1).to(torch.int32)
+    kb = torch.arange(tk, device=ranges.device).expand_as(first)
+    dump = torch.full_like(first, tq)  # dead slots go to a spare column
+    hi = torch.full((num_rows, tq + 1), -1, dtype=torch.int64, device=ranges.device)
+    hi.scatter_reduce_(1, torch.where(live, first, dump).flatten(1), kb.flatten(1), "amax")
+    lo = torch.full((num_rows, tq + 1), tk, dtype=torch.int64, device=ranges.device)
+    lo.scatter_reduce_(1, torch.where(live, last, dump).flatten(1), kb.flatten(1), "amin")
+    hi = hi[:, :tq].cummax(1).values
+    lo = lo[:, :tq].flip(1).cummin(1).values.flip(1)
+    return torch.stack([lo, hi]).reshape(2, -1).to(torch.int32)
+
+
 def _offsets(counts: torch.Tensor) -> torch.Tensor:
     offsets = torch.zeros(counts.shape[0], counts.shape[1] + 1, dtype=torch.int32, device=counts.device)
     offsets[:, 1:] = torch.cumsum(counts, dim=1)
@@ -138,25 +172,26 @@ def plans_from_ranges(ranges: torch.Tensor, tq: int, block_m: int, block_n: int)
     num_rows, fields, tk = ranges.shape
     ranges = ranges.contiguous()
     device = ranges.device
-    counts, works = [], []
+    counts, works, bounds = [], [], []
     for transposed in (False, True):
         outer = tk if transposed else tq
         count = torch.empty(2, num_rows * outer, dtype=torch.int32, device=device)
         work = torch.empty(num_rows, outer, dtype=torch.int32, device=device)
+        bounds.append(_inner_bounds(ranges, tq, transposed) if outer else None)
         if outer:
-            _plan_kernel[(outer, num_rows)](ranges, count, work, None, None, None, None, tq, tk, num_rows,
+            _plan_kernel[(outer, num_rows)](ranges, bounds[-1], count, work, None, None, None, None, tq, tk, num_rows,
                                             M=fields // 4, TRANSPOSED=transposed, WRITE=False, CHUNK=_CHUNK)
         counts.append(count)
         works.append(work)
     offsets = [_offsets(c) for c in counts]  # [2, R * T_outer + 1] each: full, partial
     totals = torch.stack([o[:, -1] for o in offsets]).tolist()  # the one host sync: array sizes
     plans = []
-    for transposed, offs, (n_full, n_part), work in zip((False, True), offsets, totals, works):
+    for transposed, offs, (n_full, n_part), work, bound in zip((False, True), offsets, totals, works, bounds):
         outer = tk if transposed else tq
         full_runs = torch.empty(n_full, 2, dtype=torch.int32, device=device)
         part_runs = torch.empty(n_part, 2, dtype=torch.int32, device=device)
         if outer and (n_full or n_part):
-            _plan_kernel[(outer, num_rows)](ranges, None, None, offs[0], full_runs, offs[1], part_runs, tq, tk, num_rows,
+            _plan_kernel[(outer, num_rows)](ranges, bound, None, None, offs[0], full_runs, offs[1], part_runs, tq, tk, num_rows,
                                             M=fields // 4, TRANSPOSED=transposed, WRITE=True, CHUNK=_CHUNK)
         # Busiest outer blocks launch first (see plan._layout); stable, so ties keep block order.
         order = torch.argsort(work.sum(0), descending=True, stable=True).to(torch.int32)

@@ -69,3 +69,33 @@ def test_bad_builder_and_bad_ranges_are_refused():
         build_plans_consecutive(masks.causal(10), 0, 10, 4, 4, builder="numpy")
     with pytest.raises(ValueError, match=r"ranges: expected \[R, 4 \* M, T_k\] int32"):
         triton_plan.plans_from_ranges(torch.zeros(1, 3, 5, dtype=torch.int32), 2, 4, 4)
+
+
+def _bounds_case(m, bm, bn):
+    from fm_parallel.kernels.plan import consecutive_ranges, packed_ranges
+    from fm_parallel.masks import classify_tiles, row_block_bounds
+
+    ranges, tq, tk = consecutive_ranges(m, 0, m.num_rows, bm, bn)
+    packed = packed_ranges(ranges)
+    lo, hi = row_block_bounds(torch.arange(m.num_rows), bm)
+    visited = classify_tiles(m.block_summary(bn), lo, hi).flatten(0, 1) > 0  # [R, T_q, T_k]
+    return packed, tq, visited
+
+
+@pytest.mark.parametrize("family", list(mask_families(77)))
+def test_scan_bounds_hold_every_visited_tile(family):
+    """Every tile the rule visits lies inside its program's [first, last] span, both orientations."""
+    packed, tq, visited = _bounds_case(mask_families(77)[family], 8, 8)
+    for transposed, grid in ((False, visited), (True, visited.transpose(1, 2))):
+        first, last = triton_plan._inner_bounds(packed, tq, transposed).view(2, grid.shape[0], grid.shape[1])
+        inner = torch.arange(grid.shape[2])
+        inside = (first.unsqueeze(-1) <= inner) & (inner <= last.unsqueeze(-1))
+        assert not (grid & ~inside).any()
+
+
+def test_scan_bounds_of_packed_documents_are_about_one_document():
+    m = masks.document([50, 70, 80, 64, 56])
+    packed, tq, visited = _bounds_case(m, 8, 8)
+    first, last = triton_plan._inner_bounds(packed, tq, False)
+    assert int((last - first + 1).max()) <= -(-80 // 8) + 1  # the longest document in blocks (+1 straddled)
+    assert int((last - first + 1).max()) < visited.shape[-1] // 3
