@@ -1,4 +1,4 @@
-"""Launch plans built on the GPU in four kernel launches, for consecutive query rows.
+"""Launch plans (and FA4's block lists) built on the GPU by Triton, for consecutive query rows.
 
 :func:`fm_parallel.kernels.plan.build_plans_consecutive` turns the tile rule's per-key-block ranges
 (:func:`fm_parallel.masks.tile_ranges`: for each key block and interval slot, the query blocks the
@@ -16,9 +16,11 @@ orientation, one program per (mask row, outer block), scanning the inner blocks 
 
 A tile's class is read from the ranges exactly as :func:`fm_parallel.kernels.plan._class_at` reads
 them (FULL if some slot covers the query block, PARTIAL if some slot reaches it): no second copy of
-the tile rule, which stays in :mod:`fm_parallel.masks.blocks`. Work: O(T_q * T_k * M) comparisons
-on values held in L2 (the ranges are ``16 * M`` bytes per key block), no per-tile memory.
-The result equals the PyTorch builders array for array (``tests/kernels/test_triton_plan.py``).
+the tile rule, which stays in :mod:`fm_parallel.masks.blocks`. Work: M comparisons per tile of the
+programs' spans (at most T_q * T_k), on values held in L2 (the ranges are ``16 * M`` bytes per key
+block), no per-tile memory. The result equals the PyTorch builders array for array
+(``tests/kernels/test_triton_plan.py``). :func:`lists_from_ranges` writes FA4's dense lists the same
+way, one launch per orientation (those lists are O(T_q * T_k) by FA4's format).
 """
 
 from __future__ import annotations
