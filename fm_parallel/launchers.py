@@ -28,28 +28,32 @@ def default_impl(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
-def forward(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, impl: str = "torch"):
+def forward(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, impl: str = "torch",
+            q_offset: int | None = None):
+    """``q_offset``: when ``positions`` is ``q_offset + arange(Nq)`` (a contiguous shard), the GPU
+    backends build their launch plans for consecutive rows and cache them on ``mask``."""
     if impl == "cute":
         from fm_parallel.kernels.cute_flashmask import cute_fwd
 
-        return cute_fwd(q, k, v, mask, positions, scale)
+        return cute_fwd(q, k, v, mask, positions, scale, q_offset)
     if impl == "triton":
         from fm_parallel.kernels.triton_flashmask import flashmask_fwd
 
-        return flashmask_fwd(q, k, v, mask, positions, scale)
+        return flashmask_fwd(q, k, v, mask, positions, scale, q_offset)
     plans = _plan(mask, positions, DEFAULT_BLOCK, DEFAULT_BLOCK)
     out, lse = _blockwise_forward(q, k, v, mask, positions, scale, plans)
     return out, lse  # float32 (float64 for float64 inputs)
 
 
-def backward(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, impl: str = "torch", dlse=None):
+def backward(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, impl: str = "torch", dlse=None,
+             q_offset: int | None = None):
     if impl == "cute":
         from fm_parallel.kernels.cute_flashmask import cute_bwd
 
-        return cute_bwd(q, k, v, out, lse, dout, mask, positions, scale, dlse, deterministic=False)
+        return cute_bwd(q, k, v, out, lse, dout, mask, positions, scale, dlse, q_offset=q_offset)
     if impl == "triton":
         from fm_parallel.kernels.triton_flashmask import flashmask_bwd
 
-        return flashmask_bwd(q, k, v, out, lse, dout, mask, positions, scale, dlse)
+        return flashmask_bwd(q, k, v, out, lse, dout, mask, positions, scale, dlse, q_offset=q_offset)
     plans = _plan(mask, positions, DEFAULT_BLOCK, DEFAULT_BLOCK)
     return _blockwise_backward(q, k, v, out, lse, dout, dlse, mask, positions, scale, plans)

@@ -53,12 +53,19 @@ class _Ring:
         self.mask, self.plan, self.scale, self.impl, self.stats = mask, plan, scale, impl, stats
         self.needed = (table > 0).tolist()  # needed[r][j]: rank r's queries see rank j's keys
         self.rank, self.world = self.comm.rank, self.comm.world_size
+        # A contiguous shard's rows are q_offset + arange: the kernels then build consecutive-row plans
+        # and cache them on the column masks, which are kept for the backward of the same call.
+        self.q_offset = int(plan.positions[self.rank][0]) if plan.balance == "contiguous" else None
+        self._columns: dict[int, FlashMask] = {}
 
     def positions(self, rank: int, device) -> torch.Tensor:
         return self.plan.positions[rank].to(device)
 
     def columns(self, rank: int, device) -> FlashMask:
-        return self.mask.select_keys(self.positions(rank, device))
+        """The mask's columns of ``rank``'s keys (the same object in the forward and the backward)."""
+        if rank not in self._columns:
+            self._columns[rank] = self.mask.select_keys(self.positions(rank, device))
+        return self._columns[rank]
 
     def post_kv(self, step: int, k: torch.Tensor, v: torch.Tensor):
         """Send my K/V to ``rank + step`` if it needs them; receive ``rank - step``'s if I do."""
@@ -109,7 +116,8 @@ class _RingAttention(torch.autograd.Function):
         for _, src, chunk in ring.kv_chunks(k, v):
             if chunk is None:
                 continue
-            o, l = launchers.forward(q, chunk[0], chunk[1], ring.columns(src, device), pos, ring.scale, ring.impl)
+            o, l = launchers.forward(q, chunk[0], chunk[1], ring.columns(src, device), pos, ring.scale, ring.impl,
+                                     q_offset=ring.q_offset)
             out, lse = merge(out, lse, o, l)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -133,7 +141,7 @@ class _RingAttention(torch.autograd.Function):
             if chunk is not None:
                 dq_s, dk_s, dv_s = launchers.backward(
                     q, chunk[0], chunk[1], out, lse.float() if lse.dtype != torch.float64 else lse, dout,
-                    ring.columns(src, device), pos, ring.scale, ring.impl,
+                    ring.columns(src, device), pos, ring.scale, ring.impl, q_offset=ring.q_offset,
                 )
                 dq += dq_s
                 part = (dk_s.contiguous(), dv_s.contiguous())

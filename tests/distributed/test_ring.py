@@ -127,3 +127,50 @@ def test_ranks_that_disagree_raise_instead_of_hanging(fn, message):
     results = run_ranks(fn, 2, timeout=60)
     for res in results:
         assert "exception" in res and "ValueError" in res["exception"] and message in res["exception"], res
+
+
+def ring_triton_cases(rank, world):
+    """The ring with the Triton kernels (the interpreter here): contiguous shards take the
+    consecutive-row plans (q_offset), zigzag shards the explicit-row ones."""
+    from fm_parallel import flashmask_attention, masks
+    from fm_parallel.distributed import ring_attention, shard
+    from fm_parallel.distributed.ring import _Ring
+
+    mask = masks.union(masks.document([30, 50, 48]), masks.sliding_window(N, 8))
+    torch.manual_seed(1)
+    q = torch.randn(1, HQ, N, D, requires_grad=True)
+    k = torch.randn(1, HKV, N, D, requires_grad=True)
+    v = torch.randn(1, HKV, N, D, requires_grad=True)
+    dout = torch.randn(1, HQ, N, D)
+    ref = flashmask_attention(q, k, v, mask=mask, impl="torch")
+    ref.backward(dout)
+    results = {}
+    for balance in ("contiguous", "zigzag"):
+        plan = shard(mask, world, balance=balance)
+        ql, kl, vl = (plan.shard(t.detach(), rank, dim=2).requires_grad_() for t in (q, k, v))
+        out = ring_attention(ql, kl, vl, mask, plan, impl="triton")
+        out.backward(plan.shard(dout, rank, dim=2))
+        ring = _Ring(mask, plan, None, 1.0, "triton", torch.ones(world, world), None)
+        results[f"{balance}/state"] = {"q_offset": ring.q_offset, "first_row": int(plan.positions[rank][0]),
+                                       "same_columns": ring.columns(0, "cpu") is ring.columns(0, "cpu")}
+        results[balance] = {
+            "out": (out - plan.shard(ref.detach(), rank, 2)).abs().max().item(),
+            "dq": (ql.grad - plan.shard(q.grad, rank, 2)).abs().max().item(),
+            "dk": (kl.grad - plan.shard(k.grad, rank, 2)).abs().max().item(),
+            "dv": (vl.grad - plan.shard(v.grad, rank, 2)).abs().max().item(),
+        }
+    return results
+
+
+def test_ring_with_triton_kernels_on_contiguous_and_zigzag_shards():
+    pytest.importorskip("triton")
+    for rank, res in enumerate(run_ranks(ring_triton_cases, 2)):
+        assert "exception" not in res, res.get("traceback")
+        for balance in ("contiguous", "zigzag"):
+            for name, err in res[balance].items():
+                assert err < 1e-4, f"rank {rank} {balance}: {name} differs by {err}"
+            state = res[f"{balance}/state"]
+            assert state["same_columns"]  # the backward reuses the forward's column mask (and its plans)
+        # Contiguous rows get their offset (consecutive-row plans); zigzag rows are explicit.
+        assert res["contiguous/state"]["q_offset"] == res["contiguous/state"]["first_row"] == rank * N // 2
+        assert res["zigzag/state"]["q_offset"] is None
