@@ -103,6 +103,21 @@ class FA4BlockSparsity:
         return out
 
 
+def _check_tile_shape(block_q: int, block_k: int) -> None:
+    if block_q <= 0 or block_k <= 0:
+        raise ValueError(f"block_q, block_k: expected positive tile sizes, got {block_q}, {block_k}")
+
+
+def _head_repeat(mask: FlashMask, num_heads: int | None) -> int:
+    """How often each mask head is repeated for FA4, which counts per query head: 1 for one mask head
+    or one per query head, ``num_heads / Hm`` for one per KV head."""
+    if mask.heads in (1, num_heads or mask.heads):
+        return 1
+    if num_heads is None or num_heads % mask.heads:
+        raise ValueError(f"num_heads: expected a multiple of the mask's {mask.heads} heads, got {num_heads}")
+    return num_heads // mask.heads
+
+
 def _lists(flag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Counts ``[..., T_outer]`` and ascending indices ``[..., T_outer, T_inner]`` of the True entries."""
     inner = flag.shape[-1]
@@ -123,16 +138,13 @@ def fa4_block_sparsity(mask: FlashMask, block_q: int, block_k: int, num_heads: i
     ``mask.num_rows`` rows) in ``block_q x block_k`` tiles. ``num_heads``: the query heads, needed
     when the mask has one head per KV head. ``write_order``: also the backward's ``dq_write_order``
     for FA4's deterministic block-sparse backward (SM100; 4.0.0b36 has none on SM90)."""
-    if block_q <= 0 or block_k <= 0:
-        raise ValueError(f"block_q, block_k: expected positive tile sizes, got {block_q}, {block_k}")
+    _check_tile_shape(block_q, block_k)
     if positions is None:
         positions = torch.arange(mask.num_rows, device=mask.device)
     cls = _classes(mask, positions, block_q, block_k)  # [Bm * Hm, T_q, T_k]; ragged last key block never FULL
     cls = cls.view(mask.batch, mask.heads, *cls.shape[1:])
-    if mask.heads not in (1, num_heads or mask.heads):
-        if num_heads is None or num_heads % mask.heads:
-            raise ValueError(f"num_heads: expected a multiple of the mask's {mask.heads} heads, got {num_heads}")
-        cls = cls.repeat_interleave(num_heads // mask.heads, dim=1)
+    if (repeat := _head_repeat(mask, num_heads)) > 1:
+        cls = cls.repeat_interleave(repeat, dim=1)
     fwd_full_cnt, fwd_full_idx = _lists(cls == TileClass.FULL)
     fwd_part_cnt, fwd_part_idx = _lists(cls == TileClass.PARTIAL)
     fwd = FA4BlockSparsity(fwd_full_cnt, fwd_full_idx, fwd_part_cnt, fwd_part_idx, (block_q, block_k), False)
@@ -159,16 +171,13 @@ def fa4_block_sparsity_consecutive(mask: FlashMask, block_q: int, block_k: int, 
     dense tile grid's compaction (what a new mask costs per call). Same lists (tested)."""
     from .triton_plan import lists_from_ranges
 
-    if block_q <= 0 or block_k <= 0:
-        raise ValueError(f"block_q, block_k: expected positive tile sizes, got {block_q}, {block_k}")
+    _check_tile_shape(block_q, block_k)
     ranges, tq, tk = consecutive_ranges(mask, row_offset, num_rows, block_q, block_k)
     packed = packed_ranges(ranges)  # [Bm * Hm, 4M, T_k]
-    heads = mask.heads
-    if mask.heads not in (1, num_heads or mask.heads):
-        if num_heads is None or num_heads % mask.heads:
-            raise ValueError(f"num_heads: expected a multiple of the mask's {mask.heads} heads, got {num_heads}")
-        packed = packed.view(mask.batch, mask.heads, *packed.shape[1:]).repeat_interleave(num_heads // mask.heads, dim=1)
-        packed, heads = packed.flatten(0, 1), num_heads
+    repeat = _head_repeat(mask, num_heads)
+    if repeat > 1:
+        packed = packed.view(mask.batch, mask.heads, *packed.shape[1:]).repeat_interleave(repeat, dim=1).flatten(0, 1)
+    heads = mask.heads * repeat
     out = []
     for transposed in (False, True):
         full_cnt, full_idx, part_cnt, part_idx = (

@@ -56,6 +56,30 @@ def _class_at(p_ranges, qb, kb, Tq, Tk, M: tl.constexpr):
 
 
 @triton.jit
+def _program(Tq, Tk, TRANSPOSED: tl.constexpr):
+    """This program's ``(outer block o, mask row r, T_outer, T_inner, CSR row r * T_outer + o)``."""
+    o = tl.program_id(0)
+    r = tl.program_id(1)
+    if TRANSPOSED:
+        t_outer = Tk
+        t_inner = Tq
+    else:
+        t_outer = Tq
+        t_inner = Tk
+    return o, r, t_outer, t_inner, r * t_outer + o
+
+
+@triton.jit
+def _inner_class(p_row, o, i, Tq, Tk, M: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Classes of outer block ``o`` x inner blocks ``i`` (key blocks, or query blocks when TRANSPOSED)."""
+    if TRANSPOSED:
+        cls = _class_at(p_row, i, o, Tq, Tk, M)
+    else:
+        cls = _class_at(p_row, o, i, Tq, Tk, M)
+    return cls
+
+
+@triton.jit
 def _plan_kernel(
     p_ranges, p_bounds, p_counts, p_work, p_full_offsets, p_full_runs, p_part_offsets, p_part_runs,
     Tq, Tk, R,
@@ -69,16 +93,8 @@ def _plan_kernel(
     onwards. Runs are found as (class here) != (class one inner block before / after).
     ``bounds[0 | 1, r * T_outer + o]``: first / last inner block that may be visited (see
     :func:`_inner_bounds`); the scan covers only those."""
-    o = tl.program_id(0)
-    r = tl.program_id(1)
+    o, r, t_outer, t_inner, row = _program(Tq, Tk, TRANSPOSED)
     p_row = p_ranges + r * (4 * M) * Tk
-    if TRANSPOSED:
-        t_outer = Tk
-        t_inner = Tq
-    else:
-        t_outer = Tq
-        t_inner = Tk
-    row = r * t_outer + o
     if WRITE:
         full_start = tl.load(p_full_offsets + row)
         full_end = full_start
@@ -94,14 +110,9 @@ def _plan_kernel(
     hi = tl.load(p_bounds + R * t_outer + row)
     for first in range(lo, hi + 1, CHUNK):
         i = first + tl.arange(0, CHUNK)
-        if TRANSPOSED:
-            here = _class_at(p_row, i, o, Tq, Tk, M)
-            before = _class_at(p_row, i - 1, o, Tq, Tk, M)
-            after = _class_at(p_row, i + 1, o, Tq, Tk, M)
-        else:
-            here = _class_at(p_row, o, i, Tq, Tk, M)
-            before = _class_at(p_row, o, i - 1, Tq, Tk, M)
-            after = _class_at(p_row, o, i + 1, Tq, Tk, M)
+        here = _inner_class(p_row, o, i, Tq, Tk, M, TRANSPOSED)
+        before = _inner_class(p_row, o, i - 1, Tq, Tk, M, TRANSPOSED)
+        after = _inner_class(p_row, o, i + 1, Tq, Tk, M, TRANSPOSED)
         work += tl.sum((here > 0).to(tl.int32), 0)
         full_s = ((here == 2) & (before != 2)).to(tl.int32)
         full_e = ((here == 2) & (after != 2)).to(tl.int32)
@@ -207,26 +218,15 @@ def _lists_kernel(p_ranges, p_full_cnt, p_full_idx, p_part_cnt, p_part_idx, Tq, 
                   M: tl.constexpr, TRANSPOSED: tl.constexpr, CHUNK: tl.constexpr):
     """FA4's dense block lists, one program per (outer block ``o``, mask row ``r``): the ascending
     indices of the full and of the partial inner blocks, zeros past the count, and the counts."""
-    o = tl.program_id(0)
-    r = tl.program_id(1)
+    o, r, t_outer, t_inner, row = _program(Tq, Tk, TRANSPOSED)
     p_row = p_ranges + r * (4 * M) * Tk
-    if TRANSPOSED:
-        t_outer = Tk
-        t_inner = Tq
-    else:
-        t_outer = Tq
-        t_inner = Tk
-    row = r * t_outer + o
     p_full = p_full_idx + row.to(tl.int64) * t_inner
     p_part = p_part_idx + row.to(tl.int64) * t_inner
     n_full = 0
     n_part = 0
     for first in range(0, t_inner, CHUNK):
         i = first + tl.arange(0, CHUNK)
-        if TRANSPOSED:
-            cls = _class_at(p_row, i, o, Tq, Tk, M)
-        else:
-            cls = _class_at(p_row, o, i, Tq, Tk, M)
+        cls = _inner_class(p_row, o, i, Tq, Tk, M, TRANSPOSED)
         is_full = (cls == 2).to(tl.int32)
         is_part = (cls == 1).to(tl.int32)
         tl.store(p_full + n_full + tl.cumsum(is_full, 0) - 1, i, mask=is_full > 0)

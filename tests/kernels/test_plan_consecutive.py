@@ -14,7 +14,7 @@ FIELDS = ("full_offsets", "full_runs", "part_offsets", "part_runs", "order")
 
 def assert_same(got, want):
     for name in FIELDS:
-        a, b = getattr(got, name), getattr(want, name)
+        a, b = getattr(got, name).cpu(), getattr(want, name).cpu()  # a plan built on the GPU, too
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert (got.num_outer, got.transposed, got.block_m, got.block_n) == (want.num_outer, want.transposed, want.block_m, want.block_n)
 
@@ -27,16 +27,22 @@ def test_every_family(family, bm, bn):
         assert_same(got, want)
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_random_multi_interval_masks_and_row_slices(seed):
+def random_case(seed: int, sizes: tuple[int, int] = (20, 200), block_unit: int = 8):
+    """A random multi-interval mask (batch and heads too), block shape and slice of consecutive rows:
+    ``(mask, block_m, block_n, row_offset, num_rows)``."""
     g = torch.Generator().manual_seed(seed)
-    n = int(torch.randint(20, 200, (1,), generator=g))
+    n = int(torch.randint(*sizes, (1,), generator=g))
     intervals, batch, heads = (int(torch.randint(1, hi, (1,), generator=g)) for hi in (5, 3, 3))
     fms, fme, _ = random_intervals(batch, heads, n, n, intervals, seed=seed)
-    m = FlashMask(fms, fme, n)
-    bm, bn = (int(x) * 8 for x in torch.randint(1, 5, (2,), generator=g))
+    bm, bn = (int(x) * block_unit for x in torch.randint(1, 5, (2,), generator=g))
     offset = int(torch.randint(0, n // 2, (1,), generator=g))  # a ring chunk's rows
     rows = int(torch.randint(1, n - offset + 1, (1,), generator=g))
+    return FlashMask(fms, fme, n), bm, bn, offset, rows
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_multi_interval_masks_and_row_slices(seed):
+    m, bm, bn, offset, rows = random_case(seed)
     want = build_plans(m, torch.arange(offset, offset + rows), bm, bn)
     for got, w in zip(build_plans_consecutive(m, offset, rows, bm, bn), want):
         assert_same(got, w)

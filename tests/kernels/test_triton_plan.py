@@ -9,8 +9,7 @@ import torch
 from fm_parallel import FlashMask, masks
 from fm_parallel.kernels import triton_plan
 from fm_parallel.kernels.plan import build_plans, build_plans_consecutive
-from tests.kernels.test_plan_consecutive import assert_same
-from tests.masks.test_flashmask import random_intervals
+from tests.kernels.test_plan_consecutive import assert_same, random_case
 from tests.test_reference import mask_families
 
 pytest.importorskip("triton")
@@ -23,12 +22,12 @@ def small_chunks(monkeypatch):
 
 def triton_plans(m, offset, rows, bm, bn):
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return [p for p in build_plans_consecutive(m.to(device), offset, rows, bm, bn, builder="triton")]
+    return build_plans_consecutive(m.to(device), offset, rows, bm, bn, builder="triton")
 
 
 def same(got, want):
     for g, w in zip(got, want):
-        assert_same(type(g)(*[x.cpu() if isinstance(x, torch.Tensor) else x for x in g.__dict__.values()]), w)
+        assert_same(g, w)
 
 
 @pytest.mark.parametrize("family", list(mask_families(77)))
@@ -39,14 +38,7 @@ def test_every_family(family):
 
 @pytest.mark.parametrize("seed", range(8))
 def test_random_multi_interval_masks_heads_and_row_slices(seed):
-    g = torch.Generator().manual_seed(seed)
-    n = int(torch.randint(40, 160, (1,), generator=g))
-    intervals, batch, heads = (int(torch.randint(1, hi, (1,), generator=g)) for hi in (5, 3, 3))
-    fms, fme, _ = random_intervals(batch, heads, n, n, intervals, seed=seed)
-    m = FlashMask(fms, fme, n)
-    bm, bn = (int(x) * 4 for x in torch.randint(1, 5, (2,), generator=g))
-    offset = int(torch.randint(0, n // 2, (1,), generator=g))  # a ring chunk's rows
-    rows = int(torch.randint(1, n - offset + 1, (1,), generator=g))
+    m, bm, bn, offset, rows = random_case(seed, sizes=(40, 160), block_unit=4)
     same(triton_plans(m, offset, rows, bm, bn), build_plans(m, torch.arange(offset, offset + rows), bm, bn))
 
 
