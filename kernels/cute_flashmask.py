@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
+from fm_parallel.kernels import cute_fa4_patches
 from fm_parallel.kernels.custom_op import define_attention_op
 from fm_parallel.kernels.cute_mask_mod import flashmask_mask_mod
 from fm_parallel.kernels.fa4_sparsity import (fa4_block_sparsity, fa4_block_sparsity_consecutive, fa4_tile_shape,
@@ -32,6 +33,11 @@ from fm_parallel.masks.flashmask import FlashMask
 __all__ = ["attention", "cute_fwd", "cute_bwd", "supports", "unsupported"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
+
+cute_fa4_patches.install()
+# What the FA4 changes of :mod:`.cute_fa4_patches` apply to our kernels (a benchmark may switch them
+# off to measure them; each setting compiles its own kernels).
+OPTIONS = cute_fa4_patches.Options()
 
 
 def supports(device: torch.device) -> bool:
@@ -74,7 +80,7 @@ def _mask_args(mask: FlashMask, positions: torch.Tensor, num_heads: int, q_offse
     """The ``mask_mod`` and its auxiliary tensors: bounds packed in int64 and, for consecutive rows,
     shifted by the offset (one load per score and interval); for arbitrary rows, also the rows."""
     explicit = q_offset is None
-    mask_mod = flashmask_mask_mod(mask.batch == 1, num_heads // mask.heads, mask.max_intervals, explicit)
+    mask_mod = flashmask_mask_mod(mask.batch == 1, num_heads // mask.heads, mask.max_intervals, explicit, OPTIONS)
     offset = 0 if explicit else q_offset
     bounds = mask.cached(("fa4_bounds", offset), lambda: pack_bounds(mask.fms, mask.fme, offset))
     return mask_mod, [bounds, positions.to(torch.int32).contiguous()] if explicit else [bounds]
@@ -89,10 +95,11 @@ def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_
     # Outputs allocated in our layout and handed to FA4 as [B, N, H, D] views: no copies either way.
     out = q.new_empty(*q.shape[:3], v.shape[-1])
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    _flash_attn_fwd(
-        _bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, mask_mod=mask_mod, aux_tensors=aux,
-        block_sparse_tensors=fwd_sparsity, return_lse=True, out=out.transpose(1, 2), lse=lse,
-    )
+    with cute_fa4_patches.forward_schedule(OPTIONS.heaviest_first):
+        _flash_attn_fwd(
+            _bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, mask_mod=mask_mod, aux_tensors=aux,
+            block_sparse_tensors=fwd_sparsity, return_lse=True, out=out.transpose(1, 2), lse=lse,
+        )
     return out, lse
 
 

@@ -33,14 +33,21 @@ import cutlass.cute as cute
 from cutlass import Int32
 from flash_attn.cute import utils as fa4_utils
 
+from .cute_fa4_patches import FlashMaskSpec, Options, register
+
 __all__ = ["flashmask_mask_mod"]
 
 
 @functools.lru_cache(maxsize=None)
-def flashmask_mask_mod(batch_broadcast: bool, q_per_mask_head: int, intervals: int, explicit_rows: bool):
+def flashmask_mask_mod(batch_broadcast: bool, q_per_mask_head: int, intervals: int, explicit_rows: bool,
+                       options: Options = Options()):
     """The ``mask_mod`` for masks with ``Bm == 1`` (``batch_broadcast``), ``Hq / Hm`` query heads per
     mask head, ``intervals`` intervals per column (1..4), and rows read from ``aux_tensors[1]``
-    (``explicit_rows``) or equal to the local query index (bounds packed with the row offset)."""
+    (``explicit_rows``) or equal to the local query index (bounds packed with the row offset).
+
+    The function is registered with :mod:`.cute_fa4_patches`: where ``options`` ask for it (default),
+    FA4 kernels traced with it mask column-first and schedule the forward heaviest-first; the
+    per-score body below is what FA4 runs otherwise (PackGQA, or FA4 not the pinned version)."""
     if not 1 <= intervals <= 4:
         raise ValueError(f"intervals: expected 1..4 per column, got {intervals}")
     if q_per_mask_head < 1:
@@ -63,4 +70,9 @@ def flashmask_mask_mod(batch_broadcast: bool, q_per_mask_head: int, intervals: i
             visible = visible | ((Int32(packed) <= row) & (row <= Int32(packed >> 32)))
         return fa4_utils.scalar_to_ssa(visible, cutlass.Boolean)
 
+    spec = FlashMaskSpec(batch_broadcast, q_per_mask_head, intervals, explicit_rows, options)
+    register(flashmask_mod, spec)
+    # FA4's compile cache keys a mask_mod on its source and closure; the options are neither (they act
+    # through the patches), so the key is given explicitly: one compiled kernel per spec.
+    flashmask_mod.__cute_hash__ = f"fm_parallel.flashmask_mask_mod/1:{spec!r}"
     return flashmask_mod

@@ -136,12 +136,16 @@ def main() -> None:
             continue
         row = {"case": case[0]}
         try:
+            from fm_parallel.kernels.cute_fa4_patches import traced
+
+            traced.clear()
             with FakeTensorMode(allow_non_fake_inputs=True):
                 before = compiled_kernels()
                 t0 = time.perf_counter()
                 run_case(case, fresh_shape=False)
                 row["compile_s"] = round(time.perf_counter() - t0, 1)
                 row["kernels_compiled"] = compiled_kernels() - before
+                row["traced"] = dict(traced)  # which masking / schedule the FA4 changes gave the kernels
                 before = compiled_kernels()
                 run_case(case, fresh_shape=True)
                 row["recompiled_for_new_mask"] = compiled_kernels() - before
@@ -150,7 +154,8 @@ def main() -> None:
             row["status"], row["error"] = "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         rows.append(row)
         detail = row.get("error") or (f"{row['compile_s']:6.1f} s, {row['kernels_compiled']} kernels, "
-                                      f"{row['recompiled_for_new_mask']} more for a new mask of the class")
+                                      f"{row['recompiled_for_new_mask']} more for a new mask of the class, "
+                                      + ", ".join(f"{k} {v}" for k, v in sorted(row["traced"].items())))
         print(f"{row['status']}  {case[0]:38s} {detail}", flush=True)
     finish(rows, args.json)
 

@@ -8,6 +8,9 @@
 #   bash launch/bench/h200_session.sh kernel sliding prefix multi # call 4, carry [".fa4"] (a call's 10 minutes
 #                                                                 # do not hold all six families)
 #   bash launch/bench/h200_session.sh tune          # call 5: Triton block shapes for D 64 / 128 / 256
+#   bash launch/bench/h200_session.sh ab            # carry [".fa4one"]: cute with / without each FA4 change
+#                                                   # (cute_fa4_patches) on every family at 16k, FA4 beside,
+#                                                   # new-mask churn, after verifying the changed kernels
 #
 # .fa4big and .fa4 come from ../shared/bench/fa4_wheels.sh run here (git-ignored). Stages 2 and 3
 # need stage 1's /tmp/site on the same warm machine: if the machine went cold, stage 1 again.
@@ -21,8 +24,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 stage=${1:-}
 shift || true
-case "$stage" in pack|unpack-libs|verify|kernel|tune) ;; *)
-  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune" >&2; exit 2 ;; esac
+case "$stage" in pack|unpack-libs|verify|kernel|tune|ab) ;; *)
+  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab" >&2; exit 2 ;; esac
 if [ "$stage" = pack ]; then  # on this machine, not the GPU one
   tmp=$(mktemp -d); tar xJf .fa4big/libs_cu13.tar.xz -C "$tmp"
   for w in .fa4/*.whl; do python3 -m zipfile -e "$w" "$tmp"; done
@@ -60,6 +63,12 @@ case "$stage" in
     python3 launch/bench/kernel.py --ns 16384 65536 --masks ${masks[*]} \
       --impls cute triton flex flex_flash fa4 sdpa --quick --extra-dims-at 0 "${long[@]}" \
       ${churn[@]+"${churn[@]}"} --out "$OUT" --tag "$tag" 2>&1 | tee "$OUT/$tag.log" ;;
+  ab)
+    fa4
+    timeout 240 python3 launch/bench/verify_gpu.py --impls cute --json "$OUT/verify_gpu_h200_cute_patched.json" 2>&1 | tee "$OUT/verify_patched.log"
+    python3 launch/bench/kernel.py --ns 16384 --masks causal docs sliding dpo prefix \
+      --impls cute cute_col cute_plain fa4 --quick --extra-dims-at 0 --long --churn 16384 \
+      --out "$OUT" --tag kernel_h200_cute_ab 2>&1 | tee "$OUT/kernel_h200_cute_ab.log" ;;
   tune)
     python3 launch/bench/tune_triton.py --d 64 128 256 --n 16384 --out "$OUT" --tag tune_triton_all 2>&1 | tee "$OUT/tune.log" ;;
 esac

@@ -45,7 +45,7 @@ def doc_lengths(n: int, mean: int = 2048, seed: int = 1) -> list[int]:
 
 def build(name: str, n: int):
     """(FlashMask, Flex mask_mod written as a Flex user would) for one family."""
-    dev = "cuda"
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "causal":
         return masks.causal(n), lambda b, h, q, k: q >= k
     if name in ("docs", "multi"):
@@ -127,6 +127,10 @@ def mask_churn(n: int, heads: int, impl: str, calls: int = 100) -> dict:
     call. Masks are built before the clock starts; their preparation inside the call is counted."""
     from tqdm import tqdm
 
+    if impl == "cute":
+        from fm_parallel.kernels import cute_fa4_patches, cute_flashmask
+
+        cute_flashmask.OPTIONS = cute_fa4_patches.Options()
     fresh = [masks.document(doc_lengths(n, seed=100 + i)).to("cuda") for i in range(calls)]
     q, k, v = (torch.randn(1, heads, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
@@ -142,7 +146,42 @@ def mask_churn(n: int, heads: int, impl: str, calls: int = 100) -> dict:
 
     same = run(lambda i: fresh[0], "same mask")
     new = run(lambda i: fresh[i], "new masks")
-    return {"impl": impl, "n": n, "calls": calls, "same_mask_s": same, "new_masks_s": new, "ratio": new / same}
+    # Why a new mask costs what it does: host time of one call (a new mask's preparation is launched
+    # from Python) and whether anything in it waits for the GPU (a sync makes that host time add up).
+    unseen = masks.document(doc_lengths(n, seed=99)).to("cuda")
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        t0 = time.perf_counter()
+        out = flashmask_attention(q, k, v, mask=unseen, impl=impl)
+        host_fwd = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out.backward(do)
+        host_bwd = time.perf_counter() - t0
+        torch.cuda.set_sync_debug_mode("default")
+        syncs = sorted({str(w.message).splitlines()[0][:120] for w in caught if "synchroniz" in str(w.message)})
+    torch.cuda.synchronize()
+    return {"impl": impl, "n": n, "calls": calls, "same_mask_s": same, "new_masks_s": new, "ratio": new / same,
+            "new_mask_host_fwd_ms": 1e3 * host_fwd, "new_mask_host_bwd_ms": 1e3 * host_bwd, "syncs": syncs}
+
+
+# impl="cute" with FlashMask's changes to FA4 (kernels/cute_fa4_patches.py), and without them to measure
+# what each brings: "cute_plain" is FA4 unchanged (per-score mask_mod, grid-order forward), "cute_col"
+# adds only the column-first masking.
+CUTE_VARIANTS = {"cute": (True, True), "cute_col": (True, False), "cute_plain": (False, False)}
+
+
+def cute_call(options: tuple[bool, bool], q, k, v, fm):
+    """``flashmask_attention(impl="cute")`` with these FA4 changes (column_first, heaviest_first); the
+    backward of the returned output uses them too (each setting has its own compiled kernels)."""
+    from fm_parallel.kernels import cute_fa4_patches, cute_flashmask
+
+    def call():
+        cute_flashmask.OPTIONS = cute_fa4_patches.Options(*options)
+        return flashmask_attention(q, k, v, mask=fm, impl="cute")
+
+    return call
 
 
 def run_case(name, n, heads, d, impls, quick, peers) -> list[dict]:
@@ -159,9 +198,9 @@ def run_case(name, n, heads, d, impls, quick, peers) -> list[dict]:
     ours = lambda: flashmask_attention(q, k, v, mask=fm, impl="triton")  # noqa: E731
     if "triton" in impls:
         rows.append(measure("fm_triton", ours, q, k, v, do, pairs, heads, d, quick))
-    if "cute" in impls:  # FA4's CuTe kernels with our block sparsity and mask_mod (issue 5)
-        cute = lambda: flashmask_attention(q, k, v, mask=fm, impl="cute")  # noqa: E731
-        rows.append(measure("fm_cute", cute, q, k, v, do, pairs, heads, d, quick))
+    for impl, options in CUTE_VARIANTS.items():  # FA4's CuTe kernels with our block sparsity and mask_mod (issue 5)
+        if impl in impls:
+            rows.append(measure(f"fm_{impl}", cute_call(options, q, k, v, fm), q, k, v, do, pairs, heads, d, quick))
     bm = None
     if {"flex", "flex_flash"} & set(impls):
         t0 = time.perf_counter()
@@ -272,7 +311,7 @@ def main() -> None:
             stream.flush()
     churn = []
     for n in args.churn:
-        for impl in [i for i in ("cute", "triton") if i in args.impls]:
+        for impl in [i for i in ("cute", "triton") if i in args.impls]:  # churn with the default FA4 changes
             try:
                 churn.append(mask_churn(n, args.heads, impl))
             except Exception as e:  # reported like a peer that cannot run, the tables still get written

@@ -19,3 +19,67 @@ def test_fa4_kernels_compile_with_our_mask_mod_and_reuse_them_for_a_new_mask(cas
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "1/1 PASS" in proc.stdout
+
+
+def _traced_paths(case: str) -> dict:
+    """The compile check's record of which masking / forward schedule the FA4 changes gave the kernels."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "cute_compile_check.py"), "--only", case,
+                               "--json", str(out)], capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+        rows = json.loads(out.read_text())
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    return rows[0]["traced"]
+
+
+@pytest.mark.parametrize("case", ["d128 docs", "d128 zigzag shard (explicit rows)", "d256 docs"])
+def test_our_kernels_mask_column_first_and_schedule_the_forward_heaviest_first(case):
+    traced = _traced_paths(case)
+    assert traced.get("heaviest_first") == 1 and "grid_order" not in traced, traced
+    assert "per_score" not in traced and "per_score_transposed" not in traced, traced
+    # the forward masks column-first (not transposed); the D <= 128 backward works on S^T
+    assert traced.get("column_first", 0) >= 1, traced
+    if case.startswith("d128"):
+        assert traced.get("column_first_transposed", 0) >= 1, traced
+
+
+def test_fa4_changes_leave_other_mask_mods_and_switched_off_options_alone(tmp_path):
+    """A mask_mod that is not ours (Flex's, a user's) and ours with the changes off trace FA4's own code."""
+    script = r'''
+import os
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a"); os.environ.setdefault("FLASH_ATTENTION_ARCH", "sm_90")
+os.environ.setdefault("FLASH_ATTENTION_NUM_SMS", "132")
+import sys; sys.path.insert(0, sys.argv[1])
+import cutlass, cutlass.cute as cute, torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from flash_attn.cute import utils as fa4_utils
+from flash_attn.cute.interface import _flash_attn_fwd
+from launch.bench import cute_compile_check as check
+from fm_parallel.kernels import cute_fa4_patches, cute_flashmask
+
+@cute.jit
+def foreign(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+    return fa4_utils.scalar_to_ssa(aux_tensors[0][kv_idx[0]] <= q_idx[0], cutlass.Boolean)
+
+case = [c for c in check.CASES if c[0] == "d128 docs"][0]
+with FakeTensorMode(allow_non_fake_inputs=True):
+    cute_flashmask.OPTIONS = cute_fa4_patches.Options(False, False)
+    check.run_case(case, False)
+    ours_off = dict(cute_fa4_patches.traced)
+    cute_fa4_patches.traced.clear()
+    q, k, v = (torch.empty(1, 300, 4, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    _flash_attn_fwd(q, k, v, mask_mod=foreign, aux_tensors=[torch.empty(300, dtype=torch.int32, device="cuda")])
+    print("OFF", sorted(ours_off.items()), "FOREIGN", sorted(cute_fa4_patches.traced.items()))
+'''
+    (tmp_path / "foreign.py").write_text(script)  # CuTe DSL reads a jit function's source from its file
+    proc = subprocess.run([sys.executable, str(tmp_path / "foreign.py"), str(ROOT)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("OFF")][-1]
+    off, foreign = line[4:].split(" FOREIGN ")
+    assert "per_score" in off and "grid_order" in off and "column_first" not in off and "heaviest" not in off, line
+    assert foreign == "[('grid_order', 1)]", line  # FA4's own masking (not ours, not counted), grid order
