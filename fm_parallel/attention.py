@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import functools
 import math
 import os
 
@@ -76,6 +77,15 @@ def _positions(nq: int, q_offset, q_positions, device) -> torch.Tensor:
         return pos.to(torch.int32)
     if not isinstance(q_offset, int) or isinstance(q_offset, bool) or q_offset < 0:
         raise ValueError(f"q_offset: expected an int >= 0, got {q_offset!r}")
+    if torch.compiler.is_compiling():
+        return torch.arange(q_offset, q_offset + nq, device=device, dtype=torch.int32)
+    return _consecutive_rows(q_offset, nq, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _consecutive_rows(q_offset: int, nq: int, device: torch.device) -> torch.Tensor:
+    """The rows of an offset slice, made once per (offset, length, device): every layer of a step
+    asks for the same ones, and a launch saved is host time saved when kernels are short. Read only."""
     return torch.arange(q_offset, q_offset + nq, device=device, dtype=torch.int32)
 
 

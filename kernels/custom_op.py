@@ -1,6 +1,7 @@
 """A backend's forward and backward launchers as ``torch.library`` custom ops with autograd.
 
-Custom ops let a ``torch.compile``d model call our kernels without graph breaks. They take plain
+Custom ops let a ``torch.compile``d model call our kernels without graph breaks (eager calls take
+an ``autograd.Function`` around the same launchers: the dispatcher costs host time). They take plain
 tensors, so the mask enters as its bounds: a new mask is new data, never a new graph or a
 recompilation. Each backend then needs the :class:`FlashMask` object back, with its cache of launch
 metadata; a small registry keeps the last few per storage. It holds the tensors (so their memory
@@ -89,10 +90,34 @@ def define_attention_op(name: str, forward: Callable, backward: Callable) -> Cal
 
     fwd_op.register_autograd(grads, setup_context=setup_context)
 
+    class Eager(torch.autograd.Function):
+        """The same launchers without the dispatcher, outside ``torch.compile``: the custom op's
+        dispatch and autograd wrapping cost 0.15-0.2 ms of host time per forward on the H200's host
+        (launch/bench/host_overhead.py), as long as a whole packed-document forward on the GPU."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, fms, fme, positions, num_rows, scale, q_offset, deterministic):
+            out, lse = forward(q, k, v, registered_mask(fms, fme, num_rows), positions, scale, _offset(q_offset))
+            ctx.save_for_backward(q, k, v, out, lse, fms, fme, positions)
+            ctx.num_rows, ctx.scale, ctx.q_offset, ctx.deterministic = num_rows, scale, q_offset, deterministic
+            ctx.set_materialize_grads(False)  # an unused lse gets no gradient tensor (like the op)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, dlse):
+            q, k, v, out, lse, fms, fme, positions = ctx.saved_tensors
+            if dout is None:
+                dout = torch.zeros_like(out)
+            dq, dk, dv = backward(q, k, v, out, lse, dout.contiguous(), registered_mask(fms, fme, ctx.num_rows),
+                                  positions, ctx.scale, dlse, _offset(ctx.q_offset), ctx.deterministic)
+            return dq, dk, dv, None, None, None, None, None, None, None
+
     def attention(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None,
                   deterministic: bool = True):
-        return fwd_op(q, k, v, mask.fms, mask.fme, positions, mask.num_rows, float(scale),
-                      -1 if q_offset is None else q_offset, bool(deterministic))
+        op = fwd_op if torch.compiler.is_compiling() else Eager.apply
+        return op(q, k, v, mask.fms, mask.fme, positions, mask.num_rows, float(scale),
+                  -1 if q_offset is None else q_offset, bool(deterministic))
 
-    attention.__doc__ = f"Differentiable FlashMask attention through ``fm_parallel::{name}_fwd`` (inputs validated by the caller)."
+    attention.__doc__ = (f"Differentiable FlashMask attention through ``fm_parallel::{name}_fwd`` under torch.compile, "
+                         "the same launchers directly otherwise (inputs validated by the caller).")
     return attention

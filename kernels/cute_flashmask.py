@@ -20,6 +20,8 @@ ring needs. The version is pinned for that reason.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
@@ -40,6 +42,7 @@ cute_fa4_patches.install()
 OPTIONS = cute_fa4_patches.Options()
 
 
+@functools.lru_cache(maxsize=None)
 def supports(device: torch.device) -> bool:
     """Hopper (compute capability 9.x): the tile shapes of :func:`fa4_tile_shape` are FA4's SM90 ones."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9

@@ -11,6 +11,8 @@
 #   bash launch/bench/h200_session.sh ab            # carry [".fa4one"]: cute with / without each FA4 change
 #                                                   # (cute_fa4_patches) on every family at 16k, FA4 beside,
 #                                                   # new-mask churn, after verifying the changed kernels
+#   NS="16384 65536" bash launch/bench/h200_session.sh costs   # carry [".fa4one"]: partial vs full tile cost
+#                                                   # (cute_tile_costs.py), then cute / FA4 / Flex-FLASH at NS
 #
 # .fa4big and .fa4 come from ../shared/bench/fa4_wheels.sh run here (git-ignored). Stages 2 and 3
 # need stage 1's /tmp/site on the same warm machine: if the machine went cold, stage 1 again.
@@ -24,8 +26,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 stage=${1:-}
 shift || true
-case "$stage" in pack|unpack-libs|verify|kernel|tune|ab) ;; *)
-  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab" >&2; exit 2 ;; esac
+case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs) ;; *)
+  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]" >&2; exit 2 ;; esac
 if [ "$stage" = pack ]; then  # on this machine, not the GPU one
   tmp=$(mktemp -d); tar xJf .fa4big/libs_cu13.tar.xz -C "$tmp"
   for w in .fa4/*.whl; do python3 -m zipfile -e "$w" "$tmp"; done
@@ -69,6 +71,12 @@ case "$stage" in
     python3 launch/bench/kernel.py --ns 16384 --masks causal docs sliding dpo prefix \
       --impls cute cute_col cute_plain fa4 --quick --extra-dims-at 0 --long --churn 16384 \
       --out "$OUT" --tag kernel_h200_cute_ab 2>&1 | tee "$OUT/kernel_h200_cute_ab.log" ;;
+  costs)
+    fa4
+    python3 launch/bench/cute_tile_costs.py --n 16384 --masks docs sliding causal --out "$OUT" 2>&1 | tee "$OUT/costs.log"
+    masks=("${@:-causal docs dpo sliding prefix}"); ns=(${NS:-16384 65536})
+    python3 launch/bench/kernel.py --ns ${ns[*]} --masks ${masks[*]} --impls cute fa4 flex_flash --quick \
+      --extra-dims-at 0 --long --out "$OUT" --tag "kernel_h200_cute_${NS_TAG:-16k_64k}" 2>&1 | tee "$OUT/kernel.log" ;;
   tune)
     python3 launch/bench/tune_triton.py --d 64 128 256 --n 16384 --out "$OUT" --tag tune_triton_all 2>&1 | tee "$OUT/tune.log" ;;
 esac
