@@ -42,6 +42,14 @@ def registered_mask(fms: torch.Tensor, fme: torch.Tensor, num_rows: int) -> Flas
     return entry[2]
 
 
+def _known(fms, fme, num_rows: int, documents: tuple[int, ...] | None) -> FlashMask:
+    """The registered mask, told what the caller's mask knew of its structure (same bounds, same versions)."""
+    mask = registered_mask(fms, fme, num_rows)
+    if documents is not None:
+        mask.set_causal_documents(documents)
+    return mask
+
+
 def _offset(q_offset: int) -> int | None:
     return None if q_offset < 0 else q_offset
 
@@ -96,10 +104,11 @@ def define_attention_op(name: str, forward: Callable, backward: Callable) -> Cal
         (launch/bench/host_overhead.py), as long as a whole packed-document forward on the GPU."""
 
         @staticmethod
-        def forward(ctx, q, k, v, fms, fme, positions, num_rows, scale, q_offset, deterministic):
-            out, lse = forward(q, k, v, registered_mask(fms, fme, num_rows), positions, scale, _offset(q_offset))
+        def forward(ctx, q, k, v, fms, fme, positions, num_rows, scale, q_offset, deterministic, documents):
+            out, lse = forward(q, k, v, _known(fms, fme, num_rows, documents), positions, scale, _offset(q_offset))
             ctx.save_for_backward(q, k, v, out, lse, fms, fme, positions)
             ctx.num_rows, ctx.scale, ctx.q_offset, ctx.deterministic = num_rows, scale, q_offset, deterministic
+            ctx.documents = documents
             ctx.set_materialize_grads(False)  # an unused lse gets no gradient tensor (like the op)
             return out, lse
 
@@ -108,15 +117,19 @@ def define_attention_op(name: str, forward: Callable, backward: Callable) -> Cal
             q, k, v, out, lse, fms, fme, positions = ctx.saved_tensors
             if dout is None:
                 dout = torch.zeros_like(out)
-            dq, dk, dv = backward(q, k, v, out, lse, dout.contiguous(), registered_mask(fms, fme, ctx.num_rows),
-                                  positions, ctx.scale, dlse, _offset(ctx.q_offset), ctx.deterministic)
-            return dq, dk, dv, None, None, None, None, None, None, None
+            mask = _known(fms, fme, ctx.num_rows, ctx.documents)
+            dq, dk, dv = backward(q, k, v, out, lse, dout.contiguous(), mask, positions, ctx.scale, dlse,
+                                  _offset(ctx.q_offset), ctx.deterministic)
+            return dq, dk, dv, None, None, None, None, None, None, None, None
 
     def attention(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None,
                   deterministic: bool = True):
-        op = fwd_op if torch.compiler.is_compiling() else Eager.apply
-        return op(q, k, v, mask.fms, mask.fme, positions, mask.num_rows, float(scale),
-                  -1 if q_offset is None else q_offset, bool(deterministic))
+        args = (q, k, v, mask.fms, mask.fme, positions, mask.num_rows, float(scale),
+                -1 if q_offset is None else q_offset, bool(deterministic))
+        if torch.compiler.is_compiling():
+            return fwd_op(*args)
+        # Eager calls also carry what the mask knows of its structure (the op takes tensors only).
+        return Eager.apply(*args, mask.causal_documents())
 
     attention.__doc__ = (f"Differentiable FlashMask attention through ``fm_parallel::{name}_fwd`` under torch.compile, "
                          "the same launchers directly otherwise (inputs validated by the caller).")

@@ -6,6 +6,10 @@ built from the same tile rule as the Triton plans) and a ``mask_mod`` that evalu
 inside partial tiles from the column bounds (:mod:`.cute_mask_mod`). Fully visible tiles run
 FA4's unmasked path; skipped tiles are never loaded.
 
+Masks that are plain causal or packed causal documents over whole sequences, and say so without a
+sync (:meth:`FlashMask.causal_documents`), run FA4's own causal / varlen kernels instead: the
+strongest kernels for those masks, so the backend is never behind them (``_dense_path``).
+
 Layouts: our tensors are SDPA's ``[B, H, N, D]``; FA4's are ``[B, N, H, D]``. Both are passed as
 transposed views (FA4 only needs the last dimension contiguous), so nothing is copied.
 
@@ -20,7 +24,9 @@ ring needs. The version is pinned for that reason.
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 
 import torch
 from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
@@ -32,7 +38,7 @@ from fm_parallel.kernels.fa4_sparsity import (fa4_block_sparsity, fa4_block_spar
                                               pack_bounds)
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["attention", "cute_fwd", "cute_bwd", "supports", "unsupported"]
+__all__ = ["attention", "cute_fwd", "cute_bwd", "paths", "supports", "unsupported"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -89,15 +95,63 @@ def _mask_args(mask: FlashMask, positions: torch.Tensor, num_heads: int, q_offse
     return mask_mod, [bounds, positions.to(torch.int32).contiguous()] if explicit else [bounds]
 
 
+# How many calls took each path (counted on the host; tests and verify_gpu.py read it).
+paths: collections.Counter = collections.Counter()
+
+
+def _dense_path(mask: FlashMask, q: torch.Tensor, k: torch.Tensor, q_offset: int | None):
+    """FA4's own kernel for masks it has one for, or None (block sparsity + mask_mod).
+
+    Plain causal (one document) runs FA4's causal kernel, any batch; packed causal documents run its
+    varlen kernel with ``cu_seqlens`` (one batch row: [N, H, D] is then a view of our layout). These
+    are the strongest kernels for those masks (block lists of packed documents leave more partial
+    tiles and the block-sparse loop costs more per tile, docs/benchmarks/README.md). Only whole
+    sequences qualify (row offset 0, ``Nq == Nk == num_rows``), and only masks that know their
+    structure without a sync (:meth:`FlashMask.causal_documents`: built on the CPU, moved by ``to``)."""
+    if q_offset != 0 or not q.shape[2] == k.shape[2] == mask.num_rows:
+        return None
+    lengths = mask.causal_documents()
+    if lengths is None:
+        return None
+    if len(lengths) == 1:
+        return "fa4_causal", None, None
+    if q.shape[0] != 1:
+        return None
+
+    def upload():  # pinned + non_blocking: no wait for the GPU (a pageable copy would)
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).pin_memory()
+        return cu.to(q.device, non_blocking=True)
+
+    return "fa4_varlen", mask.cached(("cu_seqlens", lengths), upload), max(lengths)
+
+
+def _varlen(t: torch.Tensor) -> torch.Tensor:
+    """``[1, H, N, ...]`` -> FA4's varlen ``[N, H, ...]`` as a view."""
+    return t.squeeze(0).transpose(0, 1)
+
+
 def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None):
     """Forward: ``out [B, Hq, Nq, Dv]`` (q's dtype) and ``lse [B, Hq, Nq]`` float32 (natural log;
     ``-inf`` and a zero output for rows that see no key)."""
+    out = q.new_empty(*q.shape[:3], v.shape[-1])
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    dense = _dense_path(mask, q, k, q_offset)
+    if dense is not None:
+        path, cu, longest = dense
+        paths[path] += 1
+        if path == "fa4_causal":
+            _flash_attn_fwd(_bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, causal=True, return_lse=True,
+                            out=out.transpose(1, 2), lse=lse)
+        else:
+            _flash_attn_fwd(_varlen(q), _varlen(k), _varlen(v), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                            max_seqlen_k=longest, softmax_scale=scale, causal=True, return_lse=True,
+                            out=_varlen(out), lse=lse.squeeze(0))
+        return out, lse
+    paths["block_sparse"] += 1
     hq, d = q.shape[1], q.shape[-1]
     fwd_sparsity, _ = _sparsity(mask, positions, hq, d, q_offset)
     mask_mod, aux = _mask_args(mask, positions, hq, q_offset)
     # Outputs allocated in our layout and handed to FA4 as [B, N, H, D] views: no copies either way.
-    out = q.new_empty(*q.shape[:3], v.shape[-1])
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     with cute_fa4_patches.forward_schedule(OPTIONS.heaviest_first):
         _flash_attn_fwd(
             _bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, mask_mod=mask_mod, aux_tensors=aux,
@@ -114,10 +168,23 @@ def cute_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, 
     FA4 4.0.0b36 has no deterministic block-sparse backward on SM90 (it asserts): dQ is always added
     with atomics here. ``flashmask_attention`` refuses ``impl="cute", deterministic=True`` at its
     boundary; ``deterministic`` is accepted for the shared launcher interface."""
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    dense = _dense_path(mask, q, k, q_offset)
+    if dense is not None:
+        path, cu, longest = dense
+        if path == "fa4_causal":
+            _flash_attn_bwd(_bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse.contiguous(), scale, causal=True,
+                            dlse=None if dlse is None else dlse.contiguous(),
+                            dq=dq.transpose(1, 2), dk=dk.transpose(1, 2), dv=dv.transpose(1, 2))
+        else:
+            _flash_attn_bwd(_varlen(q), _varlen(k), _varlen(v), _varlen(out), _varlen(dout), lse.squeeze(0).contiguous(), scale,
+                            causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
+                            dlse=None if dlse is None else dlse.squeeze(0).contiguous(),
+                            dq=_varlen(dq), dk=_varlen(dk), dv=_varlen(dv))
+        return dq, dk, dv
     hq, d = q.shape[1], q.shape[-1]
     _, bwd_sparsity = _sparsity(mask, positions, hq, d, q_offset)
     mask_mod, aux = _mask_args(mask, positions, hq, q_offset)
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     _flash_attn_bwd(
         _bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse.contiguous(), scale,
         deterministic=False, mask_mod=mask_mod, aux_tensors=aux,

@@ -116,8 +116,37 @@ class FlashMask:
 
     # ------------------------------------------------------------ transforms
     def to(self, device) -> "FlashMask":
-        """The same mask on another device (block summaries are recomputed there on demand)."""
-        return FlashMask(self.fms.to(device), self.fme.to(device), self.num_rows, validate=False)
+        """The same mask on another device (block summaries are recomputed there on demand; what
+        :meth:`causal_documents` knows is carried over, so a GPU mask knows it without a sync)."""
+        moved = FlashMask(self.fms.to(device), self.fme.to(device), self.num_rows, validate=False)
+        key = self._documents_key()
+        if key in self._cache or self.device.type == "cpu":
+            moved.set_causal_documents(self.causal_documents())
+        return moved
+
+    # ------------------------------------------------------------- structure
+    def _documents_key(self) -> tuple:
+        # Keyed on the bounds' version counters: an in-place edit forgets the answer.
+        return ("causal_documents", self.fms._version, self.fme._version)
+
+    def causal_documents(self) -> tuple[int, ...] | None:
+        """The document lengths if this mask is exactly packed *causal* documents over all its rows
+        and keys (``B = Hm = 1``, ``num_rows == Nk``, no padding; plain causal is one document),
+        else None. Dense kernels have special paths for these (FA4's causal and varlen kernels,
+        ``impl="cute"``).
+
+        Never syncs: computed for masks on the CPU (where the data loader builds them) and carried by
+        :meth:`to`; a mask made on the GPU and never told (:meth:`set_causal_documents`) says None."""
+        key = self._documents_key()
+        if key not in self._cache:
+            if self.device.type != "cpu":
+                return None
+            self._cache[key] = _causal_documents(self.fms, self.fme, self.num_rows)
+        return self._cache[key]
+
+    def set_causal_documents(self, lengths: tuple[int, ...] | None) -> None:
+        """Record what :meth:`causal_documents` answers, for the current bounds (no check made)."""
+        self._cache[self._documents_key()] = None if lengths is None else tuple(int(x) for x in lengths)
 
     def select_keys(self, index: torch.Tensor | slice) -> "FlashMask":
         """The columns of the keys at ``index`` (a slice or a 1-D index tensor); rows stay global."""
@@ -193,6 +222,25 @@ class FlashMask:
             visible_pairs=pairs,
             density=pairs / max(self.batch * self.heads * self.num_rows * self.num_keys, 1),
         )
+
+
+def _causal_documents(fms: torch.Tensor, fme: torch.Tensor, num_rows: int) -> tuple[int, ...] | None:
+    """Lengths of the packed causal documents these bounds are, or None (see FlashMask.causal_documents).
+    Causal documents: key ``j`` of a document ending at ``e`` is seen by rows ``j .. e``, so
+    ``fms[j] == j`` and ``fme[j]`` is the last token of ``j``'s document."""
+    b, h, n, m = fms.shape
+    if b != 1 or h != 1 or num_rows != n or (m > 1 and not bool((fms[0, 0, :, 1:] > fme[0, 0, :, 1:]).all())):
+        return None
+    first, last = fms[0, 0, :, 0], fme[0, 0, :, 0]
+    cols = torch.arange(n, dtype=first.dtype)
+    if not torch.equal(first, cols):
+        return None
+    ends = torch.nonzero(last == cols).flatten()  # the last token of each document
+    if ends.numel() == 0 or int(ends[-1]) != n - 1:
+        return None
+    if not torch.equal(last, ends[torch.searchsorted(ends, cols.to(ends.dtype))].to(last.dtype)):
+        return None
+    return tuple(torch.diff(ends, prepend=ends.new_tensor([-1])).tolist())
 
 
 def _as_bounds(name: str, x) -> torch.Tensor:

@@ -11,6 +11,9 @@
 #   bash launch/bench/h200_session.sh ab            # carry [".fa4one"]: cute with / without each FA4 change
 #                                                   # (cute_fa4_patches) on every family at 16k, FA4 beside,
 #                                                   # new-mask churn, after verifying the changed kernels
+#   CHURN=16384 NS="16384 65536" bash launch/bench/h200_session.sh final   # carry [".fa4one"]: verify cute
+#                                                   # (FA4 causal / varlen paths included), then cute, its
+#                                                   # block-sparse path, FA4, Flex-FLASH at NS (+ churn)
 #   NS="16384 65536" bash launch/bench/h200_session.sh costs   # carry [".fa4one"]: partial vs full tile cost
 #                                                   # (cute_tile_costs.py), then cute / FA4 / Flex-FLASH at NS
 #
@@ -26,8 +29,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 stage=${1:-}
 shift || true
-case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs) ;; *)
-  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]" >&2; exit 2 ;; esac
+case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final) ;; *)
+  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]" >&2; exit 2 ;; esac
 if [ "$stage" = pack ]; then  # on this machine, not the GPU one
   tmp=$(mktemp -d); tar xJf .fa4big/libs_cu13.tar.xz -C "$tmp"
   for w in .fa4/*.whl; do python3 -m zipfile -e "$w" "$tmp"; done
@@ -77,6 +80,15 @@ case "$stage" in
     masks=("${@:-causal docs dpo sliding prefix}"); ns=(${NS:-16384 65536})
     python3 launch/bench/kernel.py --ns ${ns[*]} --masks ${masks[*]} --impls cute fa4 flex_flash --quick \
       --extra-dims-at 0 --long --out "$OUT" --tag "kernel_h200_cute_${NS_TAG:-16k_64k}" 2>&1 | tee "$OUT/kernel.log" ;;
+  final)
+    fa4
+    timeout 170 python3 launch/bench/verify_gpu.py --impls cute --json "$OUT/verify_gpu_h200_cute_final.json" 2>&1 \
+      | grep -v "UserWarning\|exe_args" | tee "$OUT/verify_final.log"
+    masks=("${@:-causal docs dpo sliding prefix}"); ns=(${NS:-16384 65536})
+    timeout ${KERNEL_TIMEOUT:-380} python3 launch/bench/kernel.py --ns ${ns[*]} --masks ${masks[*]} \
+      --impls cute cute_sparse fa4 flex_flash --quick --extra-dims-at 0 --long ${CHURN:+--churn $CHURN} \
+      --out "$OUT" --tag "kernel_h200_cute_final_${NS_TAG:-16k_64k}" 2>&1 | grep -v "UserWarning\|exe_args" \
+      | tee "$OUT/kernel_final.log" ;;
   tune)
     python3 launch/bench/tune_triton.py --d 64 128 256 --n 16384 --out "$OUT" --tag tune_triton_all 2>&1 | tee "$OUT/tune.log" ;;
 esac

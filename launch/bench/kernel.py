@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from fm_parallel import flashmask_attention, masks  # noqa: E402
+from fm_parallel.masks.flashmask import FlashMask  # noqa: E402
 from fm_parallel.kernels.triton_flashmask import config_for  # noqa: E402
 from fm_parallel.kernels.plan import build_plans, build_plans_consecutive  # noqa: E402
 
@@ -127,11 +128,14 @@ def mask_churn(n: int, heads: int, impl: str, calls: int = 100) -> dict:
     call. Masks are built before the clock starts; their preparation inside the call is counted."""
     from tqdm import tqdm
 
+    label, impl = impl, impl.replace("_sparse", "")
     if impl == "cute":
         from fm_parallel.kernels import cute_fa4_patches, cute_flashmask
 
         cute_flashmask.OPTIONS = cute_fa4_patches.Options()
     fresh = [masks.document(doc_lengths(n, seed=100 + i)).to("cuda") for i in range(calls)]
+    if label == "cute_sparse":  # block lists and bounds per new mask, not FA4's varlen kernel
+        fresh = [without_structure(m) for m in fresh]
     q, k, v = (torch.randn(1, heads, n, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
 
@@ -154,7 +158,7 @@ def mask_churn(n: int, heads: int, impl: str, calls: int = 100) -> dict:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         t0 = time.perf_counter()
-        out = flashmask_attention(q, k, v, mask=unseen, impl=impl)
+        out = flashmask_attention(q, k, v, mask=unseen if label != "cute_sparse" else without_structure(unseen), impl=impl)
         host_fwd = time.perf_counter() - t0
         t0 = time.perf_counter()
         out.backward(do)
@@ -162,14 +166,22 @@ def mask_churn(n: int, heads: int, impl: str, calls: int = 100) -> dict:
         torch.cuda.set_sync_debug_mode("default")
         syncs = sorted({str(w.message).splitlines()[0][:120] for w in caught if "synchroniz" in str(w.message)})
     torch.cuda.synchronize()
-    return {"impl": impl, "n": n, "calls": calls, "same_mask_s": same, "new_masks_s": new, "ratio": new / same,
+    return {"impl": label, "n": n, "calls": calls, "same_mask_s": same, "new_masks_s": new, "ratio": new / same,
             "new_mask_host_fwd_ms": 1e3 * host_fwd, "new_mask_host_bwd_ms": 1e3 * host_bwd, "syncs": syncs}
 
 
 # impl="cute" with FlashMask's changes to FA4 (kernels/cute_fa4_patches.py), and without them to measure
 # what each brings: "cute_plain" is FA4 unchanged (per-score mask_mod, grid-order forward), "cute_col"
 # adds only the column-first masking.
-CUTE_VARIANTS = {"cute": (True, True), "cute_col": (True, False), "cute_plain": (False, False)}
+# "cute_sparse" is "cute" on a mask that does not know it is causal documents: the block-sparse path
+# even where the backend would run FA4's causal / varlen kernel (what FlashMask on FA4 reaches alone).
+CUTE_VARIANTS = {"cute": (True, True), "cute_sparse": (True, True), "cute_col": (True, False),
+                 "cute_plain": (False, False)}
+
+
+def without_structure(fm: FlashMask) -> FlashMask:
+    """The same bounds in a mask that knows nothing of its structure (as if made on the GPU)."""
+    return FlashMask(fm.fms, fm.fme, fm.num_rows, validate=False)
 
 
 def cute_call(options: tuple[bool, bool], q, k, v, fm):
@@ -200,7 +212,10 @@ def run_case(name, n, heads, d, impls, quick, peers) -> list[dict]:
         rows.append(measure("fm_triton", ours, q, k, v, do, pairs, heads, d, quick))
     for impl, options in CUTE_VARIANTS.items():  # FA4's CuTe kernels with our block sparsity and mask_mod (issue 5)
         if impl in impls:
-            rows.append(measure(f"fm_{impl}", cute_call(options, q, k, v, fm), q, k, v, do, pairs, heads, d, quick))
+            if impl == "cute_sparse" and fm.causal_documents() is None:
+                continue  # the same as "cute" for masks with no special path
+            mask = without_structure(fm) if impl in ("cute_sparse", "cute_col", "cute_plain") else fm
+            rows.append(measure(f"fm_{impl}", cute_call(options, q, k, v, mask), q, k, v, do, pairs, heads, d, quick))
     bm = None
     if {"flex", "flex_flash"} & set(impls):
         t0 = time.perf_counter()
@@ -311,7 +326,7 @@ def main() -> None:
             stream.flush()
     churn = []
     for n in args.churn:
-        for impl in [i for i in ("cute", "triton") if i in args.impls]:  # churn with the default FA4 changes
+        for impl in [i for i in ("cute", "cute_sparse", "triton") if i in args.impls]:  # default FA4 changes
             try:
                 churn.append(mask_churn(n, args.heads, impl))
             except Exception as e:  # reported like a peer that cannot run, the tables still get written

@@ -74,8 +74,10 @@ def check(impl, mask, b, hq, hkv, nq, d, dtype, q_offset=0, seed=0) -> dict:
         finite = torch.isfinite(lse)
         return (out.float() * dout.float()).sum() + (torch.where(finite, lse, torch.zeros_like(lse)) * dlse).sum()
 
+    taken = _paths(impl)
     out, lse = flashmask_attention(q, k, v, mask=mask, impl=impl, return_lse=True, **where)
     grads = torch.autograd.grad(loss(out, lse), (q, k, v))
+    taken = sorted((_paths(impl) - taken).elements())  # which kernel ran (cute: FA4 causal / varlen / block sparse)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref_out, ref_lse = reference_attention(q64, k64, v64, mask, q_positions=rows)
     ref_grads = torch.autograd.grad(loss(ref_out, ref_lse), (q64, k64, v64))
@@ -88,7 +90,17 @@ def check(impl, mask, b, hq, hkv, nq, d, dtype, q_offset=0, seed=0) -> dict:
     limit = LIMITS[dtype]
     ok = (all(result[n] < limit for n in ("out", "dq", "dk", "dv")) and result["lse_max_abs"] < 50 * limit
           and result["empty_rows_ok"] and not result["nan"])
-    return {**result, "status": "PASS" if ok else "FAIL"}
+    return {**result, "path": taken[0] if taken else impl, "status": "PASS" if ok else "FAIL"}
+
+
+def _paths(impl: str):
+    from collections import Counter
+
+    if impl != "cute":
+        return Counter()
+    from fm_parallel.kernels import cute_flashmask
+
+    return Counter(cute_flashmask.paths)
 
 
 def cases(n: int):
@@ -104,6 +116,11 @@ def cases(n: int):
     sixth = n // 6
     zigzag = torch.cat([torch.arange(sixth), torch.arange(n - sixth, n)])  # rank 0 of 3 under zigzag
     yield "dpo zigzag shard (explicit rows)", dpo, 1, 8, 2, 2 * sixth, 128, torch.bfloat16, zigzag
+    # Masks that know they are causal documents (built on the CPU, moved with .to): FA4's own kernels.
+    packed = masks.document([n // 3, n // 4 + 5, n - n // 3 - n // 4 - 5]).to(DEVICE)
+    yield "packed causal docs, no padding (varlen path)", packed, 1, 8, 2, n, 128, torch.bfloat16, 0
+    yield "packed causal docs D=64 fp16 (varlen path)", packed, 1, 4, 4, n, 64, torch.float16, 0
+    yield "causal B=2 (causal path)", fam["causal"].to(DEVICE), 2, 8, 2, n, 128, torch.bfloat16, 0
     per_batch = masks.stack([fam["dpo"], fam["sliding_window_sinks"]]).to(DEVICE)
     yield "mask per batch row (B=2)", per_batch, 2, 8, 2, n, 128, torch.bfloat16, 0
     two = masks.stack([fam["causal"], fam["sliding_window_sinks"]])  # [2, 1, N, M]
@@ -131,8 +148,13 @@ def main() -> None:
             except Exception as e:  # a case that cannot run is a failure, reported with its reason
                 r = {"status": "FAIL", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
             r = {"impl": impl, "case": name, **r}
+            expected = {"(varlen path)": "fa4_varlen", "(causal path)": "fa4_causal"}
+            want = next((p for tag, p in expected.items() if tag in name), None)
+            if impl == "cute" and want and r.get("path") != want and r["status"] == "PASS":
+                r["status"], r["error"] = "FAIL", f"expected FA4's {want} kernel, ran {r.get('path')}"
             rows.append(r)
-            detail = r.get("error") or " ".join(f"{k}={r[k]:.2e}" for k in ("out", "dq", "dk", "dv", "lse_max_abs"))
+            detail = r.get("error") or (" ".join(f"{k}={r[k]:.2e}" for k in ("out", "dq", "dk", "dv", "lse_max_abs"))
+                                        + f"  [{r['path']}]")
             print(f"{r['status']}  {impl:6s} {name:40s} {detail}", flush=True)
     finish(rows, args.json)
 

@@ -175,3 +175,35 @@ def test_flex_attention_agrees_on_cpu():
     ours = flashmask_attention(q, k, v, mask=m, impl="torch", block_size=32)
     theirs = flex_attention(q, k, v, block_mask=masks.to_block_mask(m))
     torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
+
+
+def test_causal_documents_is_known_for_exactly_packed_causal_documents():
+    from fm_parallel import masks as m
+
+    assert m.causal(37).causal_documents() == (37,)
+    assert m.document([3, 5, 2]).causal_documents() == (3, 5, 2)
+    assert m.document(cu_seqlens=[0, 4, 9]).causal_documents() == (4, 5)
+    assert m.document(doc_ids=torch.tensor([0, 0, 1, 1, 1, 2])).causal_documents() == (2, 3, 1)
+    # not plain causal documents: bidirectional, padding, per-row batches, other families, unions
+    for other in (m.document([3, 5, 2], causal=False), m.document([3, 5], n=10), m.document([[3, 5], [4, 4]]),
+                  m.sliding_window(10, 3), m.dpo(4, 3, 3), m.prefix_lm(10, 3), m.full(10),
+                  m.union(m.document([5, 5]), m.sliding_window(10, 2))):
+        assert other.causal_documents() is None, other
+    # the same bounds with a second (empty) interval slot still qualify; one row short does not
+    assert m.document([6, 4]).expand_intervals(2).causal_documents() == (6, 4)
+    c = m.causal(8)
+    assert FlashMask(c.fms, c.fme, 9, validate=False).causal_documents() is None
+
+
+def test_causal_documents_travel_with_to_and_are_forgotten_on_in_place_edits():
+    from fm_parallel import masks as m
+
+    docs = m.document([6, 10])
+    moved = docs.to("cpu")
+    assert moved.causal_documents() == (6, 10)
+    made_elsewhere = FlashMask(docs.fms.clone(), docs.fme.clone(), 16, validate=False)
+    made_elsewhere._cache.clear()
+    made_elsewhere.set_causal_documents(None)  # what a GPU mask says when never told
+    assert made_elsewhere.causal_documents() is None
+    docs.fme[0, 0, 0, 0] = 15  # no longer documents; the version counter forgets the answer
+    assert docs.causal_documents() is None
