@@ -83,3 +83,44 @@ with FakeTensorMode(allow_non_fake_inputs=True):
     off, foreign = line[4:].split(" FOREIGN ")
     assert "per_score" in off and "grid_order" in off and "column_first" not in off and "heaviest" not in off, line
     assert foreign == "[('grid_order', 1)]", line  # FA4's own masking (not ours, not counted), grid order
+
+
+def test_masks_that_know_they_are_causal_documents_compile_fa4s_causal_and_varlen_kernels(tmp_path):
+    """Plain causal (any batch) takes FA4's causal kernel, packed causal documents (one batch row) its
+    varlen kernel, both directions, on views of our layout; anything else the block-sparse path."""
+    script = r'''
+import os, sys
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a"); os.environ.setdefault("FLASH_ATTENTION_ARCH", "sm_90")
+os.environ.setdefault("FLASH_ATTENTION_NUM_SMS", "132")
+sys.path.insert(0, sys.argv[1])
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from launch.bench import cute_compile_check as check
+from fm_parallel.kernels import cute_flashmask
+from fm_parallel.masks.flashmask import FlashMask
+
+check._allow_fake_semaphores()
+cute_flashmask._sparsity = check._sparsity_on_cpu
+for lengths, b in (((300,), 2), ((100, 150, 50), 1), ((100, 200), 2), (None, 1)):
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        n = 300
+        q = torch.empty(b, 4, n, 128, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(b, 2, n, 128, dtype=torch.bfloat16, device="cuda")
+        mask = FlashMask(*(torch.empty(1, 1, n, 1, dtype=torch.int32, device="cuda") for _ in range(2)), n, validate=False)
+        mask.set_causal_documents(lengths)
+        if lengths and len(lengths) > 1:  # the pinned upload is real work: hand over its fake result
+            mask._cache[("cu_seqlens", lengths)] = torch.empty(len(lengths) + 1, dtype=torch.int32, device="cuda")
+        pos = torch.arange(n, device="cuda")
+        before = dict(cute_flashmask.paths)
+        out, lse = cute_flashmask.cute_fwd(q, k, k, mask, pos, 0.1, 0)
+        cute_flashmask.cute_bwd(q, k, k, out, lse, torch.empty_like(out), mask, pos, 0.1, torch.empty_like(lse), 0)
+        took = [p for p, c in cute_flashmask.paths.items() if c != before.get(p, 0)]
+        print("PATH", lengths, b, took)
+'''
+    (tmp_path / "dense_paths.py").write_text(script)
+    proc = subprocess.run([sys.executable, str(tmp_path / "dense_paths.py"), str(ROOT)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    took = [line.split(" ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("PATH")]
+    assert took == ["(300,) 2 ['fa4_causal']", "(100, 150, 50) 1 ['fa4_varlen']", "(100, 200) 2 ['block_sparse']",
+                    "None 1 ['block_sparse']"], took
