@@ -177,8 +177,8 @@ def cute_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, 
                             dlse=None if dlse is None else dlse.contiguous(),
                             dq=dq.transpose(1, 2), dk=dk.transpose(1, 2), dv=dv.transpose(1, 2))
         else:
-            _flash_attn_bwd(_varlen(q), _varlen(k), _varlen(v), _varlen(out), _varlen(dout), lse.squeeze(0).contiguous(), scale,
-                            causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
+            _flash_attn_bwd(_varlen(q), _varlen(k), _varlen(v), _varlen(out), _varlen(dout),
+                            lse.squeeze(0).contiguous(), scale, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
                             dlse=None if dlse is None else dlse.squeeze(0).contiguous(),
                             dq=_varlen(dq), dk=_varlen(dk), dv=_varlen(dv))
         return dq, dk, dv

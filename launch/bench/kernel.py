@@ -158,7 +158,8 @@ def mask_churn(n: int, heads: int, impl: str, calls: int = 100) -> dict:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         t0 = time.perf_counter()
-        out = flashmask_attention(q, k, v, mask=unseen if label != "cute_sparse" else without_structure(unseen), impl=impl)
+        unseen = without_structure(unseen) if label == "cute_sparse" else unseen
+        out = flashmask_attention(q, k, v, mask=unseen, impl=impl)
         host_fwd = time.perf_counter() - t0
         t0 = time.perf_counter()
         out.backward(do)

@@ -106,7 +106,8 @@ for lengths, b in (((300,), 2), ((100, 150, 50), 1), ((100, 200), 2), (None, 1))
         n = 300
         q = torch.empty(b, 4, n, 128, dtype=torch.bfloat16, device="cuda")
         k = torch.empty(b, 2, n, 128, dtype=torch.bfloat16, device="cuda")
-        mask = FlashMask(*(torch.empty(1, 1, n, 1, dtype=torch.int32, device="cuda") for _ in range(2)), n, validate=False)
+        bounds = [torch.empty(1, 1, n, 1, dtype=torch.int32, device="cuda") for _ in range(2)]
+        mask = FlashMask(*bounds, n, validate=False)
         mask.set_causal_documents(lengths)
         if lengths and len(lengths) > 1:  # the pinned upload is real work: hand over its fake result
             mask._cache[("cu_seqlens", lengths)] = torch.empty(len(lengths) + 1, dtype=torch.int32, device="cuda")
@@ -124,3 +125,23 @@ for lengths, b in (((300,), 2), ((100, 150, 50), 1), ((100, 200), 2), (None, 1))
     took = [line.split(" ", 1)[1] for line in proc.stdout.splitlines() if line.startswith("PATH")]
     assert took == ["(300,) 2 ['fa4_causal']", "(100, 150, 50) 1 ['fa4_varlen']", "(100, 200) 2 ['block_sparse']",
                     "None 1 ['block_sparse']"], took
+
+
+def test_another_fa4_version_is_left_unchanged_with_a_warning(tmp_path):
+    script = r'''
+import importlib.metadata, logging, sys
+sys.path.insert(0, sys.argv[1])
+real = importlib.metadata.version
+importlib.metadata.version = lambda name: "4.0.0b99" if name == "flash-attn-4" else real(name)
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
+from fm_parallel.kernels import cute_fa4_patches
+from flash_attn.cute import flash_fwd_sm90, mask, tile_scheduler
+print("INSTALLED", cute_fa4_patches.install(), hasattr(mask.AttentionMask.apply_mask, "fm_parallel_original"),
+      flash_fwd_sm90.SingleTileScheduler is tile_scheduler.SingleTileScheduler)
+'''
+    (tmp_path / "other_version.py").write_text(script)
+    proc = subprocess.run([sys.executable, str(tmp_path / "other_version.py"), str(ROOT)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "INSTALLED False False True" in proc.stdout, proc.stdout
+    assert "4.0.0b99 is not the pinned 4.0.0b36" in proc.stdout, proc.stdout
