@@ -16,6 +16,8 @@ are seen by no row). Without a FlashMask the layer is causal (or bidirectional w
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fm_parallel.attention import flashmask_attention
@@ -44,6 +46,13 @@ def register(name: str = NAME) -> str:
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, _padding_mask)
     return name
+
+
+@functools.lru_cache(maxsize=8)
+def _default_mask(n_keys: int, causal: bool, device: torch.device) -> FlashMask:
+    """The mask of a call that brings none, built once per length and device, not once per layer and
+    step (built on the CPU, so a causal one knows it is causal: FA4's causal kernel under impl="cute")."""
+    return (builders.causal(n_keys) if causal else builders.full(n_keys)).to(device)
 
 
 def _with_padding(mask: FlashMask, padding: torch.Tensor) -> FlashMask:
@@ -80,7 +89,7 @@ def attention_forward(
     n_keys = key.shape[2] if fm_context is None else fm_context.plan.num_tokens
     if flashmask is None:
         causal = getattr(module, "is_causal", True)
-        flashmask = (builders.causal(n_keys) if causal else builders.full(n_keys)).to(query.device)
+        flashmask = _default_mask(n_keys, bool(causal), query.device)
     elif flashmask.device != query.device:
         flashmask = flashmask.to(query.device)
     if attention_mask is not None and attention_mask.dim() == 2:

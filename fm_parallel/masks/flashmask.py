@@ -118,7 +118,10 @@ class FlashMask:
     def to(self, device) -> "FlashMask":
         """The same mask on another device (block summaries are recomputed there on demand; what
         :meth:`causal_documents` knows is carried over, so a GPU mask knows it without a sync)."""
-        moved = FlashMask(self.fms.to(device), self.fme.to(device), self.num_rows, validate=False)
+        fms, fme = self.fms.to(device), self.fme.to(device)
+        if fms is self.fms and fme is self.fme:
+            return self  # already there: keep the caches
+        moved = FlashMask(fms, fme, self.num_rows, validate=False)
         key = self._documents_key()
         if key in self._cache or self.device.type == "cpu":
             moved.set_causal_documents(self.causal_documents())

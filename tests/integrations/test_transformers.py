@@ -125,3 +125,11 @@ def test_lora_loss_and_gradients_under_context_parallelism(mode, world, balance)
         assert res["loss"] == pytest.approx(res["want"], rel=1e-12, abs=1e-12)
         assert res["grad_err"] <= 1e-10 * max(res["grad_scale"], 1.0)
         assert res["grad_scale"] > 0
+
+
+def test_the_default_mask_is_built_once_per_length_and_knows_it_is_causal():
+    from fm_parallel.integrations.transformers import _default_mask
+
+    a = _default_mask(48, True, torch.device("cpu"))
+    assert a is _default_mask(48, True, torch.device("cpu")) and a.causal_documents() == (48,)
+    assert _default_mask(48, False, torch.device("cpu")).causal_documents() is None

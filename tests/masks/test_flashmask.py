@@ -207,3 +207,11 @@ def test_causal_documents_travel_with_to_and_are_forgotten_on_in_place_edits():
     assert made_elsewhere.causal_documents() is None
     docs.fme[0, 0, 0, 0] = 15  # no longer documents; the version counter forgets the answer
     assert docs.causal_documents() is None
+
+
+def test_to_the_same_device_keeps_the_mask_and_its_caches():
+    from fm_parallel import masks as m
+
+    docs = m.document([6, 10])
+    docs.cached(("anything",), lambda: 1)
+    assert docs.to("cpu") is docs and docs.to(torch.device("cpu")) is docs
