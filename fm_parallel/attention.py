@@ -7,9 +7,9 @@ computations live in :mod:`fm_parallel.reference` (PyTorch), :mod:`fm_parallel.d
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
-import functools
 import math
 import os
 

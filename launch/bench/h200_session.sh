@@ -72,7 +72,7 @@ case "$stage" in
     fa4
     timeout 240 python3 launch/bench/verify_gpu.py --impls cute --json "$OUT/verify_gpu_h200_cute_patched.json" 2>&1 | tee "$OUT/verify_patched.log"
     python3 launch/bench/kernel.py --ns 16384 --masks causal docs sliding dpo prefix \
-      --impls cute cute_col cute_plain fa4 --quick --extra-dims-at 0 --long --churn 16384 \
+      --impls cute cute_sparse cute_col cute_plain fa4 --quick --extra-dims-at 0 --long --churn 16384 \
       --out "$OUT" --tag kernel_h200_cute_ab 2>&1 | tee "$OUT/kernel_h200_cute_ab.log" ;;
   costs)
     fa4
