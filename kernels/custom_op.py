@@ -16,6 +16,7 @@ bounds is a miss). Shared by the Triton and CuTe backends.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import Callable
 
@@ -58,12 +59,20 @@ def define_attention_op(name: str, forward: Callable, backward: Callable) -> Cal
     """Register ``fm_parallel::{name}_fwd`` / ``_bwd`` and return the differentiable
     ``attention(q, k, v, mask, positions, scale, q_offset=None, deterministic=True) -> (out, lse)``."""
 
+    def run_forward(q, k, v, fms, fme, positions, num_rows, scale, q_offset, documents=None):
+        return forward(q, k, v, _known(fms, fme, num_rows, documents), positions, scale, _offset(q_offset))
+
+    def run_backward(q, k, v, out, lse, dout, dlse, fms, fme, positions, num_rows, scale, q_offset, deterministic,
+                     documents=None):
+        mask = _known(fms, fme, num_rows, documents)
+        return backward(q, k, v, out, lse, dout, mask, positions, scale, dlse, _offset(q_offset), deterministic)
+
     @torch.library.custom_op(f"fm_parallel::{name}_fwd", mutates_args=())
     def fwd_op(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fms: torch.Tensor, fme: torch.Tensor,
         positions: torch.Tensor, num_rows: int, scale: float, q_offset: int, deterministic: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return forward(q, k, v, registered_mask(fms, fme, num_rows), positions, scale, _offset(q_offset))
+        return run_forward(q, k, v, fms, fme, positions, num_rows, scale, q_offset)
 
     @fwd_op.register_fake
     def _(q, k, v, fms, fme, positions, num_rows, scale, q_offset, deterministic):
@@ -75,8 +84,7 @@ def define_attention_op(name: str, forward: Callable, backward: Callable) -> Cal
         dlse: torch.Tensor | None, fms: torch.Tensor, fme: torch.Tensor, positions: torch.Tensor,
         num_rows: int, scale: float, q_offset: int, deterministic: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        mask = registered_mask(fms, fme, num_rows)
-        return backward(q, k, v, out, lse, dout, mask, positions, scale, dlse, _offset(q_offset), deterministic)
+        return run_backward(q, k, v, out, lse, dout, dlse, fms, fme, positions, num_rows, scale, q_offset, deterministic)
 
     @bwd_op.register_fake
     def _(q, k, v, out, lse, dout, dlse, fms, fme, positions, num_rows, scale, q_offset, deterministic):
@@ -88,13 +96,16 @@ def define_attention_op(name: str, forward: Callable, backward: Callable) -> Cal
         ctx.save_for_backward(q, k, v, out, lse, fms, fme, positions)
         ctx.num_rows, ctx.scale, ctx.q_offset, ctx.deterministic = num_rows, scale, q_offset, deterministic
 
-    def grads(ctx, dout, dlse):
+    def gradients(ctx, dout, dlse, run) -> tuple:
+        """(dq, dk, dv) from what ``setup_context`` saved, through ``run`` (the op, or its body)."""
         q, k, v, out, lse, fms, fme, positions = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = bwd_op(q, k, v, out, lse, dout.contiguous(), dlse, fms, fme, positions, ctx.num_rows,
-                            ctx.scale, ctx.q_offset, ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return run(q, k, v, out, lse, dout.contiguous(), dlse, fms, fme, positions, ctx.num_rows, ctx.scale,
+                   ctx.q_offset, ctx.deterministic)
+
+    def grads(ctx, dout, dlse):
+        return (*gradients(ctx, dout, dlse, bwd_op), *(None,) * 7)
 
     fwd_op.register_autograd(grads, setup_context=setup_context)
 
@@ -104,23 +115,18 @@ def define_attention_op(name: str, forward: Callable, backward: Callable) -> Cal
         (launch/bench/host_overhead.py), as long as a whole packed-document forward on the GPU."""
 
         @staticmethod
-        def forward(ctx, q, k, v, fms, fme, positions, num_rows, scale, q_offset, deterministic, documents):
-            out, lse = forward(q, k, v, _known(fms, fme, num_rows, documents), positions, scale, _offset(q_offset))
-            ctx.save_for_backward(q, k, v, out, lse, fms, fme, positions)
-            ctx.num_rows, ctx.scale, ctx.q_offset, ctx.deterministic = num_rows, scale, q_offset, deterministic
+        def forward(ctx, *inputs):
+            *op_inputs, documents = inputs
+            output = run_forward(*op_inputs[:-1], documents)  # every op input but ``deterministic``
+            setup_context(ctx, op_inputs, output)
             ctx.documents = documents
             ctx.set_materialize_grads(False)  # an unused lse gets no gradient tensor (like the op)
-            return out, lse
+            return output
 
         @staticmethod
         def backward(ctx, dout, dlse):
-            q, k, v, out, lse, fms, fme, positions = ctx.saved_tensors
-            if dout is None:
-                dout = torch.zeros_like(out)
-            mask = _known(fms, fme, ctx.num_rows, ctx.documents)
-            dq, dk, dv = backward(q, k, v, out, lse, dout.contiguous(), mask, positions, ctx.scale, dlse,
-                                  _offset(ctx.q_offset), ctx.deterministic)
-            return dq, dk, dv, None, None, None, None, None, None, None, None
+            run = functools.partial(run_backward, documents=ctx.documents)
+            return (*gradients(ctx, dout, dlse, run), *(None,) * 8)
 
     def attention(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None,
                   deterministic: bool = True):

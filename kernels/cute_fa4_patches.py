@@ -180,7 +180,6 @@ def _lpt_scheduler_proxy(plain, lpt):
         def create(params, *a, **kw):
             return HeaviestFirstOrPlain._cls(params).create(params, *a, **kw)
 
-    HeaviestFirstOrPlain.plain = plain
     return HeaviestFirstOrPlain
 
 
