@@ -2,15 +2,21 @@
 
     torchrun --nproc_per_node 2 launch/train.py --config launch/configs/cpu_sft.toml --training.steps 20
     FM_TRAINING__STEPS=20 torchrun ... launch/train.py            # section and key joined by "__"
+    python launch/train.py --help                                 # every key, its default and meaning
 
 Every field has a default, so an empty config trains the small CPU model on the standard library.
+Every key is checked when the config is loaded: its type (TOML ``steps = 2.7`` or ``true`` is refused,
+never rounded or cast), its range or its choices, and the rules between keys; a bad value raises
+:class:`ConfigError` (a ``ValueError``) naming the key, what it expects and what it got.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,62 +25,85 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-__all__ = ["Config", "load_config"]
+__all__ = ["Config", "ConfigError", "load_config", "describe"]
+
+
+class ConfigError(ValueError):
+    """A configuration, data or run-directory error made by the user: reported in one line, no traceback."""
+
+
+def _key(default, help: str, *, choices: tuple | None = None, low=None, high=None, low_open: bool = False,
+         special: tuple = ()):
+    """A config key: its default, its meaning for ``--help``, and what values it accepts.
+
+    ``low`` / ``high``: inclusive range (``low_open``: strictly above ``low``); ``special``: values
+    accepted outside the range (``-1`` meaning "all" or "never")."""
+    return field(default=default, metadata={"help": help, "choices": choices, "low": low, "high": high,
+                                            "low_open": low_open, "special": special})
 
 
 @dataclass
 class ModelConfig:
-    path: str = ""  # a local Hugging Face model folder; empty: a small Llama built from the fields below
-    hidden_size: int = 256
-    layers: int = 4
-    heads: int = 4
-    kv_heads: int = 2
-    intermediate_size: int = 688
-    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
-    lora_rank: int = 16
-    lora_alpha: int = 32
-    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
-    activation_checkpointing: bool = True
-    offload_layers: int = 0  # layers (from the first) whose checkpointed input lives in host memory; -1: all
-    attention: str = "flashmask"  # flashmask | sdpa (dense N x N mask) | flex (BlockMask): the baselines need cp 1
-    tile_chunk: int = 0  # run each layer's per-token work (norms, projections, rotary, MLP) over chunks of this many tokens (0: off)
+    path: str = _key("", "a local Hugging Face model folder; empty: a small Llama built from the fields below")
+    hidden_size: int = _key(256, "width of the built Llama (a multiple of heads)", low=1)
+    layers: int = _key(4, "decoder layers of the built Llama", low=1)
+    heads: int = _key(4, "query heads of the built Llama", low=1)
+    kv_heads: int = _key(2, "key/value heads of the built Llama (divides heads)", low=1)
+    intermediate_size: int = _key(688, "MLP width of the built Llama", low=1)
+    dtype: str = _key("auto", "parameter dtype; auto: bfloat16 on GPU, float32 on CPU",
+                      choices=("auto", "float32", "bfloat16", "float64"))
+    lora_rank: int = _key(16, "LoRA rank", low=1)
+    lora_alpha: int = _key(32, "LoRA alpha (scale = alpha / rank)", low=1)
+    lora_targets: str = _key("q_proj,k_proj,v_proj,o_proj", "comma-separated module names that get LoRA adapters")
+    activation_checkpointing: bool = _key(True, "recompute each decoder layer in the backward")
+    offload_layers: int = _key(0, "layers (from the first) whose checkpointed input lives in host memory; -1: all",
+                               low=0, special=(-1,))
+    attention: str = _key("flashmask", "flashmask | sdpa (dense N x N mask) | flex (BlockMask); the baselines need cp none",
+                          choices=("flashmask", "sdpa", "flex"))
+    tile_chunk: int = _key(0, "run each layer's per-token work over chunks of this many tokens (0: off)", low=0)
 
 
 @dataclass
 class DataConfig:
-    objective: str = "sft"  # sft | dpo
-    path: str = ""  # JSONL ({"text"} for SFT, {"prompt","chosen","rejected"} for DPO); empty: the stdlib corpus
-    tokenizer: str = ""  # a local HF tokenizer folder; empty: bytes
-    seq_len: int = 2048
+    objective: str = _key("sft", "sft (packed documents) | dpo (packed preference samples)", choices=("sft", "dpo"))
+    path: str = _key("", 'JSONL file ({"text"} for sft, {"prompt","chosen","rejected"} for dpo); empty: the stdlib corpus')
+    tokenizer: str = _key("", "a local Hugging Face tokenizer folder; empty: bytes")
+    seq_len: int = _key(2048, "tokens per packed row", low=2, high=2**31 - 1)
 
 
 @dataclass
 class TrainingConfig:
-    steps: int = 30
-    lr: float = 1e-3
-    warmup: int = 3
-    seed: int = 0
-    grad_accum: int = 1
-    loss_chunk: int = 1024  # tokens per chunk of the chunked loss (full-vocabulary logits never exist at once)
-    dpo_beta: float = 0.1
+    steps: int = _key(30, "optimizer steps", low=1)
+    lr: float = _key(1e-3, "peak learning rate (linear warm-up, then cosine to a tenth)", low=0.0, low_open=True)
+    warmup: int = _key(3, "warm-up steps", low=0)
+    seed: int = _key(0, "seed of the model's initialisation", low=0)
+    grad_accum: int = _key(1, "rows per data-parallel rank per step", low=1)
+    loss_chunk: int = _key(1024, "tokens per chunk of the chunked loss (full-vocabulary logits never exist at once)", low=1)
+    dpo_beta: float = _key(0.1, "DPO beta", low=0.0, low_open=True)
 
 
 @dataclass
 class ParallelConfig:
-    cp: str = "ring"  # ring | ulysses | hybrid | none
-    cp_degree: int = -1  # -1: every rank (no data parallelism)
-    ulysses_degree: int = 1  # the Ulysses part of hybrid
-    balance: str = "zigzag"  # contiguous | zigzag | mask
-    impl: str = ""  # attention kernel (cute | triton | torch), with or without CP; empty: automatic
+    cp: str = _key("ring", "context parallelism: ring | ulysses | hybrid | none", choices=("ring", "ulysses", "hybrid", "none"))
+    cp_degree: int = _key(-1, "ranks per context-parallel group; -1: every rank (no data parallelism)", low=1, special=(-1,))
+    ulysses_degree: int = _key(1, "the Ulysses part of hybrid (divides the CP degree)", low=1)
+    balance: str = _key("zigzag", "how a row is sharded over CP ranks: contiguous | zigzag | mask",
+                        choices=("contiguous", "zigzag", "mask"))
+    impl: str = _key("", "attention kernel (auto | cute | triton | torch), with or without CP; empty: automatic",
+                     choices=("", "auto", "cute", "triton", "torch"))
+    timeout_s: float = _key(600.0, "seconds a collective may wait for a peer before the run fails (a dead or stuck rank)",
+                            low=0.0, low_open=True)
 
 
 @dataclass
 class OutputConfig:
-    dir: str = "runs/default"
-    checkpoint_every: int = 10
-    log_every: int = 1
-    resume: bool = False
-    stop_after: int = -1  # stop with a checkpoint after this many steps (time-limited jobs); -1: run to the end
+    dir: str = _key("runs/default", "run directory: metrics, plot, config, checkpoints, adapter")
+    checkpoint_every: int = _key(10, "steps between checkpoints (0: only at the end and on a stop)", low=0)
+    log_every: int = _key(1, "steps between progress-bar updates", low=1)
+    resume: bool = _key(False, "continue from the latest complete checkpoint in dir (also --resume)")
+    overwrite: bool = _key(False, "start afresh in a dir that holds an earlier run (its files are deleted)")
+    stop_after: int = _key(-1, "stop with a checkpoint after this many steps (time-limited jobs); -1: run to the end",
+                           low=1, special=(-1,))
 
 
 @dataclass
@@ -89,68 +118,171 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def _coerce(section: str, key: str, value, target):
-    kind = type(target)
-    if kind is bool and isinstance(value, str):
-        if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
-            raise ValueError(f"{section}.{key}: expected a boolean, got {value!r}")
-        return value.lower() in ("1", "true", "yes")
-    try:
-        return kind(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{section}.{key}: expected {kind.__name__}, got {value!r}") from None
+_INT = re.compile(r"^[+-]?\d+$")
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
 
-def _apply(cfg: Config, section: str, key: str, value, source: str) -> None:
-    if not hasattr(cfg, section) or section.startswith("_"):
-        raise ValueError(f"{source}: unknown section {section!r}; expected one of {[f.name for f in dataclasses.fields(cfg)]}")
+def _coerce(name: str, value, kind: type, from_text: bool):
+    """``value`` as ``kind``, never by rounding or truthiness. ``from_text``: it came from the command
+    line or the environment (a string to parse); else from TOML (already typed)."""
+    if from_text and isinstance(value, str):
+        text = value.strip()
+        if kind is bool:
+            if text.lower() in _TRUE + _FALSE:
+                return text.lower() in _TRUE
+            raise ConfigError(f"{name}: expected a boolean (true or false), got {value!r}")
+        if kind is int:
+            if _INT.match(text):
+                return int(text)
+            raise ConfigError(f"{name}: expected int, got {value!r}")
+        if kind is float:
+            try:
+                number = float(text)
+            except ValueError:
+                raise ConfigError(f"{name}: expected float, got {value!r}") from None
+            if not math.isfinite(number):
+                raise ConfigError(f"{name}: expected a finite float, got {value!r}")
+            return number
+        return value
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: expected a boolean (true or false), got {value!r}")
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name}: expected int, got {value!r} ({type(value).__name__})")
+    if kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        raise ConfigError(f"{name}: expected a finite float, got {value!r} ({type(value).__name__})")
+    if isinstance(value, str):
+        return value
+    raise ConfigError(f"{name}: expected a string, got {value!r} ({type(value).__name__})")
+
+
+def _check_range(name: str, value, meta: dict) -> None:
+    if meta["choices"] is not None and value not in meta["choices"]:
+        shown = " | ".join(repr(c) if c == "" else c for c in meta["choices"])
+        raise ConfigError(f"{name}: expected one of {shown}, got {value!r}")
+    if value in meta["special"]:
+        return
+    low, high = meta["low"], meta["high"]
+    too_low = low is not None and (value <= low if meta["low_open"] else value < low)
+    if too_low or (high is not None and value > high):
+        parts = []
+        if low is not None:
+            parts.append(f"> {low}" if meta["low_open"] else f">= {low}")
+        if high is not None:
+            parts.append(f"<= {high}")
+        expected = " and ".join(parts) + "".join(f" or {s}" for s in meta["special"])
+        raise ConfigError(f"{name}: expected a value {expected}, got {value!r}")
+
+
+def _apply(cfg: Config, section: str, key: str, value, source: str, from_text: bool) -> None:
+    sections = [f.name for f in dataclasses.fields(cfg)]
+    if section not in sections:
+        raise ConfigError(f"{source}: unknown section {section!r}; expected one of {sections}")
     sub = getattr(cfg, section)
-    if not hasattr(sub, key):
-        raise ValueError(f"{source}: unknown key {section}.{key}; expected one of {[f.name for f in dataclasses.fields(sub)]}")
-    setattr(sub, key, _coerce(section, key, value, getattr(sub, key)))
+    fields = {f.name: f for f in dataclasses.fields(sub)}
+    if key not in fields:
+        raise ConfigError(f"{source}: unknown key {section}.{key}; expected one of {list(fields)}")
+    f = fields[key]
+    kind = type(f.default)
+    name = f"{section}.{key}"
+    value = _coerce(name, value, kind, from_text)
+    _check_range(name, value, f.metadata)
+    setattr(sub, key, value)
+
+
+def _check_relations(cfg: Config) -> None:
+    """Rules between keys (each key's own range is checked as it is set)."""
+    m, p = cfg.model, cfg.parallel
+    if not m.path:
+        if m.heads % m.kv_heads:
+            raise ConfigError(f"model.kv_heads: expected a divisor of model.heads = {m.heads}, got {m.kv_heads}")
+        if m.hidden_size % m.heads:
+            raise ConfigError(f"model.hidden_size: expected a multiple of model.heads = {m.heads}, got {m.hidden_size}")
+        if m.offload_layers > m.layers:
+            raise ConfigError(f"model.offload_layers: expected at most model.layers = {m.layers} (or -1), got {m.offload_layers}")
+    if not [t for t in m.lora_targets.split(",") if t.strip()]:
+        raise ConfigError(f"model.lora_targets: expected at least one module name, got {m.lora_targets!r}")
+    if m.offload_layers and not m.activation_checkpointing:
+        raise ConfigError(f"model.offload_layers: expected 0 without activation checkpointing, got {m.offload_layers}")
+    if p.cp != "hybrid" and p.ulysses_degree != 1:
+        raise ConfigError(f"parallel.ulysses_degree: expected 1 unless parallel.cp is hybrid, got {p.ulysses_degree} with cp {p.cp}")
+    if not cfg.output.dir.strip():
+        raise ConfigError("output.dir: expected a directory path, got an empty string")
+    if cfg.output.resume and cfg.output.overwrite:
+        raise ConfigError("output.overwrite: expected false when resuming (it would delete the run to resume), got true")
+
+
+def describe() -> str:
+    """Every key with its type, default and meaning (the text of ``--help``)."""
+    lines = ["configuration keys (TOML [section] key = value, --section.key VALUE, or FM_SECTION__KEY=VALUE):"]
+    for sec in dataclasses.fields(Config):
+        lines.append(f"  [{sec.name}]")
+        for f in dataclasses.fields(sec.default_factory()):
+            meta = f.metadata
+            lines.append(f"    --{sec.name}.{f.name} ({type(f.default).__name__}, default {f.default!r}): {meta['help']}")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fm_parallel trainer", description="LoRA SFT / DPO with FlashMask attention and context parallelism.",
+        epilog=describe(), formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+        add_help=False)
+    parser.add_argument("-h", "--help", action="store_true", help="show this message (every key) and exit")
+    parser.add_argument("--config", type=Path, default=None, help="a TOML file of [section] tables")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output.dir")
+    return parser
 
 
 def load_config(argv: list[str] | None = None, environ: dict | None = None) -> Config:
-    """Defaults, then ``--config FILE`` (TOML), then ``FM_SECTION__KEY`` variables, then ``--section.key value``."""
-    parser = argparse.ArgumentParser(description="fm_parallel trainer", allow_abbrev=False)
-    parser.add_argument("--config", type=Path, default=None)
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output.dir")
+    """Defaults, then ``--config FILE`` (TOML), then ``FM_SECTION__KEY`` variables, then ``--section.key value``.
+
+    ``--help`` prints every key (from rank 0 only under torchrun) and exits with status 0."""
+    parser = _parser()
     args, rest = parser.parse_known_args(argv)
+    if args.help:
+        if os.environ.get("RANK", "0") == "0":
+            parser.print_help()
+        raise SystemExit(0)
     cfg = Config()
     if args.config is not None:
-        if not args.config.exists():
-            raise ValueError(f"--config: expected an existing TOML file, got {args.config}")
-        with open(args.config, "rb") as f:
-            for section, values in tomllib.load(f).items():
-                if not isinstance(values, dict):
-                    raise ValueError(f"{args.config}: expected [section] tables, got a top-level {section!r}")
-                for key, value in values.items():
-                    _apply(cfg, section, key, value, str(args.config))
-    for name, value in (os.environ if environ is None else environ).items():
+        if not args.config.is_file():
+            raise ConfigError(f"--config: expected an existing TOML file, got {args.config}")
+        try:
+            with open(args.config, "rb") as f:
+                table = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"--config: {args.config} is not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--config: {args.config} is not UTF-8 text: {e}") from None
+        for section, values in table.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{args.config}: expected [section] tables, got a top-level {section!r}")
+            for key, value in values.items():
+                _apply(cfg, section, key, value, str(args.config), from_text=False)
+    for name, value in sorted((os.environ if environ is None else environ).items()):
         if name.startswith("FM_") and "__" in name:
             section, key = name[3:].lower().split("__", 1)
-            _apply(cfg, section, key, value, f"environment {name}")
+            _apply(cfg, section, key, value, f"environment {name}", from_text=True)
     i = 0
     while i < len(rest):
         token = rest[i]
         if not token.startswith("--") or "." not in token:
-            raise ValueError(f"command line: expected --section.key VALUE, got {token!r}")
-        name, _, inline = token[2:].partition("=")
-        if inline == "" and "=" not in token:
+            raise ConfigError(f"command line: expected --section.key VALUE, got {token!r}")
+        name, eq, inline = token[2:].partition("=")
+        if not eq:
             if i + 1 >= len(rest):
-                raise ValueError(f"command line: expected a value after {token}")
+                raise ConfigError(f"command line: expected a value after {token}")
             inline, i = rest[i + 1], i + 1
         section, key = name.split(".", 1)
-        _apply(cfg, section, key, inline, "command line")
+        _apply(cfg, section, key, inline, "command line", from_text=True)
         i += 1
     if args.resume:
         cfg.output.resume = True
-    if cfg.data.objective not in ("sft", "dpo"):
-        raise ValueError(f"data.objective: expected 'sft' or 'dpo', got {cfg.data.objective!r}")
-    if cfg.model.attention not in ("flashmask", "sdpa", "flex"):
-        raise ValueError(f"model.attention: expected flashmask, sdpa or flex, got {cfg.model.attention!r}")
-    if cfg.parallel.cp not in ("ring", "ulysses", "hybrid", "none"):
-        raise ValueError(f"parallel.cp: expected ring, ulysses, hybrid or none, got {cfg.parallel.cp!r}")
-    if cfg.parallel.impl not in ("", "auto", "cute", "triton", "torch"):
-        raise ValueError(f"parallel.impl: expected cute, triton, torch or empty (automatic), got {cfg.parallel.impl!r}")
+    _check_relations(cfg)
     return cfg

@@ -2,12 +2,19 @@
 
 The default corpus exists wherever Python does: the standard library's own ``.py`` sources, in a
 fixed order. Each row is packed greedily from whole documents (a document longer than the row is
-cut into row-sized pieces); the FlashMask of the row is built here, next to ``input_ids``, and labels
-are shifted inside each document so no token learns to predict the next document.
+cut into row-sized pieces, every piece trained on); the FlashMask of the row is built here, next to
+``input_ids``, and labels are shifted inside each document so no token learns to predict the next
+document.
+
+Every record is trained on exactly once per pass over the data: the last, partial row of a pass is
+padded and yielded, never dropped (a data set smaller than one row is one padded row per pass).
+A JSONL file is checked in one fast pass before training (:func:`validate_jsonl`): a line that is not
+JSON, not an object, lacks a string field, or is not UTF-8 raises naming ``file:line``.
 
 DPO rows pack several ``[prompt, chosen, rejected]`` samples with the ``dpo`` mask. Each response
 starts with a separator token so that its first real token is predicted from inside the response
-(the prompt's last position cannot predict both responses' first tokens).
+(the prompt's last position cannot predict both responses' first tokens). A sample is never cut: one
+that does not fit a row raises naming its line and sizes.
 """
 
 from __future__ import annotations
@@ -24,7 +31,11 @@ import torch
 from fm_parallel import masks
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["ByteTokenizer", "load_tokenizer", "Row", "sft_rows", "dpo_rows", "stdlib_texts"]
+__all__ = ["ByteTokenizer", "load_tokenizer", "Row", "sft_rows", "dpo_rows", "stdlib_texts", "validate_jsonl", "DataError"]
+
+
+class DataError(ValueError):
+    """A data file or data setting the user must fix; the message names ``file:line``."""
 
 
 class ByteTokenizer:
@@ -78,16 +89,74 @@ def stdlib_texts() -> Iterator[str]:
             yield text
 
 
-def _jsonl(path: str, keys: tuple[str, ...]) -> Iterator[dict]:
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            missing = [k for k in keys if not isinstance(record.get(k), str)]
-            if missing:
-                raise ValueError(f"{path}:{n}: expected string fields {keys}, missing {missing}")
-            yield record
+def _json_type(value) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def _record(path: str, n: int, raw: bytes, keys: tuple[str, ...]) -> dict | None:
+    """The record of line ``n`` (None for a blank line), or a DataError naming ``path:n``."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}:{n}: expected UTF-8 text, got byte {raw[e.start]:#04x} at column {e.start + 1}") from None
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{n}: expected one JSON object per line, got invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{path}:{n}: expected a JSON object with string fields {list(keys)}, got {_json_type(record)}")
+    missing = [k for k in keys if not isinstance(record.get(k), str)]
+    if missing:
+        got = {k: _json_type(record[k]) for k in missing if k in record}
+        raise DataError(f"{path}:{n}: expected string fields {list(keys)}, missing or not a string: {missing}"
+                        + (f" (got {got})" if got else ""))
+    return record
+
+
+def _jsonl(path: str, keys: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
+    """``(line number, record)`` of every non-blank line."""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            record = _record(path, n, raw, keys)
+            if record is not None:
+                yield n, record
+
+
+def _keys(objective: str) -> tuple[str, ...]:
+    return ("text",) if objective == "sft" else ("prompt", "chosen", "rejected")
+
+
+def validate_jsonl(path: str, objective: str, seq_len: int | None = None, tokenizer=None, stop=None) -> int:
+    """One pass over a JSONL data file before training; returns the number of records.
+
+    Raises :class:`DataError` naming ``file:line`` for the first line that is not UTF-8, not JSON,
+    not an object or lacks a string field; for DPO with ``seq_len`` and ``tokenizer`` also for the
+    first sample that does not fit one row. ``stop()``: polled, a stop request ends the pass early
+    (returns -1)."""
+    if not os.path.isfile(path):
+        raise DataError(f"data.path: expected an existing JSONL file, got {path!r}")
+    count = 0
+    for n, record in _jsonl(path, _keys(objective)):
+        count += 1
+        if objective == "dpo" and tokenizer is not None and seq_len is not None:
+            _check_dpo_fits(path, n, tokenizer, record, seq_len)
+        if stop is not None and count % 1024 == 0 and stop():
+            return -1
+    if count == 0:
+        raise DataError(f"data.path: expected at least one record, got none in {path}")
+    return count
+
+
+def _check_dpo_fits(path: str, n: int, tokenizer, record: dict, seq_len: int) -> tuple[list[int], list[int], list[int]]:
+    p, c, r = (tokenizer.encode(record[k]) for k in ("prompt", "chosen", "rejected"))
+    size = len(p) + len(c) + len(r) + 2  # each response starts with a separator
+    if size > seq_len:
+        raise DataError(f"{path}:{n}: a DPO sample of {size} tokens (prompt {len(p)} + chosen {len(c)} + rejected {len(r)}"
+                        f" + 2 separators) does not fit data.seq_len = {seq_len}; raise seq_len or shorten the sample")
+    return p, c, r
 
 
 def _labels(ids: torch.Tensor, sample: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
@@ -99,8 +168,11 @@ def _labels(ids: torch.Tensor, sample: torch.Tensor, scored: torch.Tensor) -> to
 
 
 def sft_rows(seq_len: int, tokenizer, path: str = "") -> Iterator[Row]:
-    """Packed SFT rows of ``seq_len`` tokens, forever (the corpus repeats)."""
-    texts = (lambda: (r["text"] for r in _jsonl(path, ("text",)))) if path else stdlib_texts
+    """Packed SFT rows of ``seq_len`` tokens, forever (the corpus repeats). Each pass over the corpus
+    ends with its partial row, padded: every token of every record is in exactly one row per pass."""
+    if not isinstance(seq_len, int) or seq_len < 2:
+        raise DataError(f"data.seq_len: expected an int >= 2, got {seq_len!r}")
+    texts = (lambda: (r["text"] for _, r in _jsonl(path, ("text",)))) if path else stdlib_texts
     while True:
         lengths: list[int] = []
         tokens: list[int] = []
@@ -116,7 +188,9 @@ def sft_rows(seq_len: int, tokenizer, path: str = "") -> Iterator[Row]:
                 tokens += piece
                 lengths.append(len(piece))
         if not any_doc:
-            raise ValueError(f"data.path: expected at least one document, got none in {path or 'the stdlib corpus'}")
+            raise DataError(f"data.path: expected at least one document, got none in {path or 'the stdlib corpus'}")
+        if tokens:
+            yield _sft_row(tokens, lengths, seq_len, tokenizer)
 
 
 def _sft_row(tokens, lengths, seq_len, tokenizer) -> Row:
@@ -129,43 +203,50 @@ def _sft_row(tokens, lengths, seq_len, tokenizer) -> Row:
     return Row(ids, labels, masks.document(lengths, n=seq_len), segment, sample)
 
 
-def _dpo_samples(tokenizer, path: str) -> Iterator[tuple[list[int], list[int], list[int]]]:
+def _dpo_samples(tokenizer, path: str, seq_len: int) -> Iterator[tuple[list[int], list[int], list[int]]]:
     """(prompt, chosen, rejected) token lists. Without a path: from the stdlib, a file's opening as
-    the prompt, its true continuation as chosen and another file's text as rejected."""
+    the prompt, its true continuation as chosen and another file's text as rejected, each part sized to
+    fit a quarter of a row (synthetic samples, built to fit; a file's samples are never cut)."""
     if path:
-        for r in _jsonl(path, ("prompt", "chosen", "rejected")):
-            yield tokenizer.encode(r["prompt"]), tokenizer.encode(r["chosen"]), tokenizer.encode(r["rejected"])
+        for n, r in _jsonl(path, ("prompt", "chosen", "rejected")):
+            yield _check_dpo_fits(path, n, tokenizer, r, seq_len)
         return
+    prompt = min(64, seq_len // 4)
+    response = max(min(96, seq_len // 4 - 1), 1)
+    if prompt < 1 or prompt + 2 * (response + 1) > seq_len:
+        raise DataError(f"data.seq_len: expected at least 8 tokens for the built-in DPO samples, got {seq_len}")
     previous = None
     for text in stdlib_texts():
         ids = tokenizer.encode(text)
         if len(ids) < 96:
             continue
         if previous is not None:
-            yield ids[:64], ids[64:160], previous[64:160]
+            yield ids[:prompt], ids[prompt : prompt + response], previous[prompt : prompt + response]
         previous = ids
 
 
-def dpo_rows(seq_len: int, tokenizer, path: str = "", max_part: int | None = None) -> Iterator[Row]:
-    """Packed DPO rows: several [prompt, SEP chosen, SEP rejected] samples per row, the ``dpo`` mask."""
-    max_part = max_part or seq_len // 4
+def dpo_rows(seq_len: int, tokenizer, path: str = "") -> Iterator[Row]:
+    """Packed DPO rows: several [prompt, SEP chosen, SEP rejected] samples per row, the ``dpo`` mask.
+    Samples are never cut; each pass ends with its partial row, padded."""
+    if not isinstance(seq_len, int) or seq_len < 2:
+        raise DataError(f"data.seq_len: expected an int >= 2, got {seq_len!r}")
     while True:
         parts: list[tuple[list[int], list[int], list[int]]] = []
         used = 0
         produced = False
-        for p, c, r in _dpo_samples(tokenizer, path):
+        for p, c, r in _dpo_samples(tokenizer, path, seq_len):
             produced = True
-            p, c, r = p[:max_part], [tokenizer.bos_id] + c[: max_part - 1], [tokenizer.bos_id] + r[: max_part - 1]
+            c, r = [tokenizer.bos_id] + c, [tokenizer.bos_id] + r
             size = len(p) + len(c) + len(r)
-            if size > seq_len:
-                continue
             if used + size > seq_len:
                 yield _dpo_row(parts, seq_len, tokenizer)
                 parts, used = [], 0
             parts.append((p, c, r))
             used += size
         if not produced:
-            raise ValueError(f"data.path: expected DPO samples, got none in {path or 'the stdlib corpus'}")
+            raise DataError(f"data.path: expected DPO samples, got none in {path or 'the stdlib corpus'}")
+        if parts:
+            yield _dpo_row(parts, seq_len, tokenizer)
 
 
 def _dpo_row(parts, seq_len, tokenizer) -> Row:

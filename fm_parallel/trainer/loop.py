@@ -13,8 +13,10 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -24,8 +26,10 @@ from torch.utils.checkpoint import checkpoint
 
 from fm_parallel.distributed import ParallelDims, shard
 from fm_parallel.distributed.context import ContextParallel
-from fm_parallel.trainer.config import Config, load_config
-from fm_parallel.trainer.data import Row, dpo_rows, load_tokenizer, sft_rows
+from fm_parallel.trainer import runs
+from fm_parallel.trainer.config import Config, ConfigError, load_config
+from fm_parallel.trainer.data import DataError, Row, dpo_rows, load_tokenizer, sft_rows, validate_jsonl
+from fm_parallel.trainer.export import export_adapter, save_base_model
 from fm_parallel.trainer.memory import checkpoint_layers
 from fm_parallel.trainer.tiling import tile_decoder_layers
 
@@ -33,17 +37,20 @@ __all__ = ["main", "train"]
 
 
 # --------------------------------------------------------------------- setup
-def _init_distributed() -> None:
+def _init_distributed(timeout_s: float) -> None:
+    """Join the job's process group; every collective then fails after ``timeout_s`` instead of
+    waiting for ever on a dead or stuck rank."""
     if dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = timedelta(seconds=timeout_s)
     if "WORLD_SIZE" in os.environ:  # launched by torchrun: its rendezvous
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
         return
     # A plain `python` run is one process: an in-memory store, no TCP port that another job could hold.
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
 def _layout(cfg: Config):
@@ -55,10 +62,16 @@ def _layout(cfg: Config):
         cp = 1
     uly = {"ring": 1, "ulysses": cp, "hybrid": cfg.parallel.ulysses_degree, "none": 1}[mode]
     if cp % uly:
-        raise ValueError(f"parallel.ulysses_degree: expected a divisor of the CP degree {cp}, got {uly}")
+        raise ConfigError(f"parallel.ulysses_degree: expected a divisor of the CP degree {cp}, got {uly}")
     if cfg.model.attention != "flashmask" and cp > 1:
-        raise ValueError(f"model.attention: {cfg.model.attention!r} is a single-device baseline; expected parallel.cp none "
+        raise ConfigError(f"model.attention: {cfg.model.attention!r} is a single-device baseline; expected parallel.cp none "
                          f"or a CP degree of 1, got {mode} over {cp} ranks")
+    if world % cp:
+        raise ConfigError(f"parallel.cp_degree: expected a divisor of the {world} ranks, got {cp}")
+    divisor = 2 * cp if cfg.parallel.balance == "zigzag" else cp
+    if cp > 1 and cfg.data.seq_len % divisor:
+        raise ConfigError(f"data.seq_len: expected a multiple of {divisor} (CP degree {cp}, balance {cfg.parallel.balance}), "
+                          f"got {cfg.data.seq_len}")
     dims = ParallelDims(world, ring=cp // uly, ulysses=uly)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = dims.build_mesh(device)
@@ -72,7 +85,9 @@ def _layout(cfg: Config):
     return mode, dims, mesh, group, rank // cp, cp_rank
 
 
-def _build_model(cfg: Config, vocab_size: int, device):
+def _build_model(cfg: Config, vocab_size: int, device, base_dir: Path | None = None):
+    """The peft LoRA model. ``base_dir``: where a model built from the config (no ``model.path``)
+    saves its base weights once, so its adapters load on a fresh copy (rank 0 of a new run)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -93,14 +108,14 @@ def _build_model(cfg: Config, vocab_size: int, device):
                 max_position_embeddings=max(cfg.data.seq_len, 2048), attn_implementation=name,
             )).to(dtype)
     base.to(device)
+    if base_dir is not None and not cfg.model.path:
+        save_base_model(base, base_dir)
     base.config.use_cache = False
     if cfg.model.tile_chunk:
         tile_decoder_layers(base, cfg.model.tile_chunk)  # before checkpointing: the checkpoint wraps the tiled layer
     policy = None
     if cfg.model.activation_checkpointing:
         policy = checkpoint_layers(base, cfg.model.offload_layers)
-    elif cfg.model.offload_layers:
-        raise ValueError(f"model.offload_layers: expected 0 without activation checkpointing, got {cfg.model.offload_layers}")
     lora = LoraConfig(r=cfg.model.lora_rank, lora_alpha=cfg.model.lora_alpha,
                       target_modules=[t.strip() for t in cfg.model.lora_targets.split(",") if t.strip()])
     model = get_peft_model(base, lora)
@@ -175,106 +190,177 @@ def _checkpoint_dir(cfg: Config, step: int) -> Path:
     return Path(cfg.output.dir) / "checkpoints" / f"step_{step:06d}"
 
 
-def _save(cfg: Config, model, optim, step: int, rows_done: int) -> Path:
+def _save(cfg: Config, model, optim, step: int, rows_done: int, rows_per_step: int, tokenizer) -> Path:
+    """A distributed checkpoint (adapter + optimizer + progress + each rank's RNG) and the adapter in
+    peft format; complete once every file's checksum is written."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     path = _checkpoint_dir(cfg, step)
     model_sd, optim_sd = get_state_dict(model, optim, options=StateDictOptions(ignore_frozen_params=True))
-    dcp.save({"model": model_sd, "optim": optim_sd, "progress": {"step": torch.tensor(step), "rows": torch.tensor(rows_done)}},
-             checkpoint_id=str(path))
+    progress = {"step": torch.tensor(step), "rows": torch.tensor(rows_done), "rows_per_step": torch.tensor(rows_per_step)}
+    dcp.save({"model": model_sd, "optim": optim_sd, "progress": progress}, checkpoint_id=str(path))
     rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     torch.save(rng, path / f"rng_rank{dist.get_rank()}.pt")
+    if dist.get_rank() == 0:  # LoRA weights are the same on every rank (gradients are all-reduced)
+        export_adapter(model, path / "adapter", cfg, tokenizer, step)
     dist.barrier()
     if dist.get_rank() == 0:
+        runs.write_checksums(path)
         (path / "complete").write_text("ok")  # a checkpoint cut short by a kill is never resumed from
     return path
 
 
-def _latest(cfg: Config) -> Path | None:
-    root = Path(cfg.output.dir) / "checkpoints"
-    done = sorted(p for p in root.glob("step_*") if (p / "complete").exists()) if root.exists() else []
-    return done[-1] if done else None
-
-
-def _load(path: Path, model, optim) -> tuple[int, int]:
+def _load(path: Path, model, optim, stop) -> tuple[int, int, int]:
+    """Restore a verified checkpoint; returns (step, rows done, rows per step)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+    runs.verify_checkpoint(path, stop)
     options = StateDictOptions(ignore_frozen_params=True)
     model_sd, optim_sd = get_state_dict(model, optim, options=options)
-    state = {"model": model_sd, "optim": optim_sd, "progress": {"step": torch.tensor(0), "rows": torch.tensor(0)}}
-    dcp.load(state, checkpoint_id=str(path))
+    progress = {"step": torch.tensor(-1), "rows": torch.tensor(-1), "rows_per_step": torch.tensor(0)}
+    state = {"model": model_sd, "optim": optim_sd, "progress": progress}
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as e:  # noqa: BLE001 - an old format or a changed adapter shape: say which checkpoint
+        if "progress.rows_per_step" not in str(e):
+            raise runs.CheckpointError(f"--resume: {path} cannot be loaded into this model ({type(e).__name__}: {e})") from None
+        del state["progress"]["rows_per_step"]  # written before the counter existed
+        dcp.load(state, checkpoint_id=str(path))
     # Only the adapter was saved: the frozen base weights come from the model build, not the checkpoint.
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(ignore_frozen_params=True, strict=False))
-    rng = torch.load(path / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
+    rng_path = path / f"rng_rank{dist.get_rank()}.pt"
+    if not rng_path.exists():
+        raise runs.CheckpointError(f"--resume: {path} was written by fewer ranks (no {rng_path.name}); resume with the same "
+                                   "number of ranks")
+    rng = torch.load(rng_path, weights_only=False)
     torch.set_rng_state(rng["torch"])
-    if rng["cuda"]:
+    if rng["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
-    return int(state["progress"]["step"]), int(state["progress"]["rows"])
+    step, rows = int(state["progress"]["step"]), int(state["progress"]["rows"])
+    per_step = int(state["progress"].get("rows_per_step", torch.tensor(0)))
+    # Bound the counters by what the run can have done: a damaged counter must not spin the data stream.
+    if step < 0 or rows < 0 or (per_step and rows != (step + 1) * per_step) or rows > (step + 1) * 2**20:
+        raise runs.CheckpointError(f"--resume: {path} holds inconsistent progress (step {step}, rows {rows}, "
+                                   f"rows per step {per_step}); delete it to resume from an earlier checkpoint")
+    return step, rows, per_step
+
+
+def _preflight(cfg: Config, tokenizer, stop) -> None:
+    """Checks that need no model: folders exist, the data file is valid (one pass, ``file:line`` named)."""
+    if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
+        raise ConfigError(f"model.path: expected a local Hugging Face model folder with a config.json, got {cfg.model.path!r}")
+    if cfg.data.path:
+        validate_jsonl(cfg.data.path, cfg.data.objective, cfg.data.seq_len, tokenizer, stop)
+
+
+def _tokenizer(cfg: Config):
+    if cfg.data.tokenizer and not Path(cfg.data.tokenizer).is_dir():
+        raise ConfigError(f"data.tokenizer: expected a local Hugging Face tokenizer folder, got {cfg.data.tokenizer!r}")
+    try:
+        return load_tokenizer(cfg.data.tokenizer)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer!r} could not be loaded ({e})") from None
 
 
 def train(cfg: Config) -> dict:
     """Run training as configured; returns the summary (also printed and written by rank 0)."""
     # transformers 5 renamed gradient to activation checkpointing and warns from its own internals each step.
     warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*is deprecated")
-    _init_distributed()
-    rank = dist.get_rank()
-    mode, dims, mesh, group, dp_rank, cp_rank = _layout(cfg)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    model = _build_model(cfg, tokenizer.vocab_size, device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=cfg.training.lr, weight_decay=0.0)
-    out_dir = Path(cfg.output.dir)
-    start, rows_done = 0, 0
-    if cfg.output.resume:
-        latest = _latest(cfg)
-        if latest is None:
-            raise ValueError(f"--resume: expected a complete checkpoint under {out_dir / 'checkpoints'}, found none")
-        start, rows_done = _load(latest, model, optim)
-        start += 1
     stop = {"flag": False}
 
     def on_signal(signum, frame):
-        stop["flag"] = True  # finish the step, write a checkpoint, exit
+        stop["flag"] = True  # finish the step (or the loop in progress), write a checkpoint, exit
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    previous = {s_: signal.signal(s_, on_signal) for s_ in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _train(cfg, stop)
+    finally:
+        for s_, handler in previous.items():
+            signal.signal(s_, handler)
+
+
+def _say(rank: int, text: str) -> None:
+    if rank == 0:
+        print(text, flush=True)
+
+
+def _train(cfg: Config, stop: dict) -> dict:
+    stopped = lambda: stop["flag"]  # noqa: E731
+    tokenizer = _tokenizer(cfg)
+    _preflight(cfg, tokenizer, stopped)
+    _init_distributed(cfg.parallel.timeout_s)
+    rank = dist.get_rank()
+    out_dir = Path(cfg.output.dir)
+    runs.check_run_dir(cfg)  # every rank, before anything is written
+    mode, dims, mesh, group, dp_rank, cp_rank = _layout(cfg)
+    dist.barrier()  # no rank writes until every rank has checked the directory
+    if rank == 0:
+        if cfg.output.overwrite:
+            runs.clear_run_dir(cfg)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if not cfg.output.resume:
+            (out_dir / runs.RUN_FILE).write_text(json.dumps(cfg.to_dict(), indent=1))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    fresh = rank == 0 and not cfg.output.resume
+    model = _build_model(cfg, tokenizer.vocab_size, device, base_dir=out_dir / "base_model" if fresh else None)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=cfg.training.lr, weight_decay=0.0)
+    dp, accum, cp = dims.dp, cfg.training.grad_accum, dims.cp
+    rows_per_step = dp * accum
+    start, rows_done = 0, 0
+    if cfg.output.resume:
+        latest = runs.latest_checkpoint(out_dir)
+        if latest is None:
+            raise ConfigError(f"--resume: expected a complete checkpoint under {out_dir / 'checkpoints'}, found none")
+        step, rows_done, saved_per_step = _load(latest, model, optim, stopped)
+        start = step + 1
+        _say(rank, f"resumed from {latest} (step {step}, {rows_done} rows done)")
+        if saved_per_step and saved_per_step != rows_per_step:
+            _say(rank, f"note: rows per step changed from {saved_per_step} to {rows_per_step} (data-parallel degree)")
 
     stream = _rows(cfg, tokenizer)
-    for _ in range(rows_done):
+    skipping = range(rows_done)
+    if rank == 0 and rows_done > 64:
+        from tqdm import tqdm
+
+        skipping = tqdm(skipping, desc="resume: skipping rows already trained on", unit="row", leave=False)
+    for _ in skipping:
+        if stop["flag"]:  # a stop while skipping: nothing new was trained, the checkpoint stands
+            _say(rank, f"stopped while resuming; the last checkpoint is still {runs.latest_checkpoint(out_dir)}")
+            return {}
         next(stream)
-    dp, accum, cp = dims.dp, cfg.training.grad_accum, dims.cp
     metrics_path = out_dir / "metrics.jsonl"
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-        if metrics_path.exists():
-            # A fresh run starts a new log; a resumed one drops what was logged after its checkpoint.
-            kept = [line for line in metrics_path.read_text().splitlines()
-                    if cfg.output.resume and line.strip() and json.loads(line)["step"] < start]
-            metrics_path.write_text("".join(line + "\n" for line in kept))
+    if rank == 0 and metrics_path.exists():
+        # A resumed run drops what was logged after its checkpoint (a fresh one starts in an empty directory).
+        kept = [line for line in metrics_path.read_text().splitlines() if line.strip() and _logged_step(line) < start]
+        metrics_path.write_text("".join(line + "\n" for line in kept))
+    if start >= cfg.training.steps:
+        _say(rank, f"nothing to train: the run already reached training.steps = {cfg.training.steps}")
     bar = None
     if rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.training.steps, initial=start, desc=f"{cfg.data.objective} {mode} x{cp} dp{dp}", unit="step")
+        bar = tqdm(total=cfg.training.steps, initial=min(start, cfg.training.steps),
+                   desc=f"{cfg.data.objective} {mode} x{cp} dp{dp}", unit="step")
     policy = model.checkpoint_policy
+    saved = None
     for step in range(start, cfg.training.steps):
         t0 = time.perf_counter()
         if policy is not None:
             policy.reset()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        rows: list[Row] = [next(stream) for _ in range(dp * accum)]
+        rows: list[Row] = [next(stream) for _ in range(rows_per_step)]
         rows_done += len(rows)
         mine = rows[dp_rank::dp]
         if cfg.data.objective == "sft":
             denom = sum(int((r.labels != -100).sum()) for r in rows)
         else:
             denom = sum(int(r.sample.max()) + 1 for r in rows)
+        denom = max(denom, 1)  # rows with nothing to predict contribute zero, not NaN
         for group_ in optim.param_groups:
             group_["lr"] = _lr(cfg, step)
         local_loss = torch.zeros((), device=device, dtype=torch.float64)
@@ -304,21 +390,41 @@ def train(cfg: Config) -> dict:
         if rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if (step + 1) % cfg.output.log_every == 0 or step + 1 == cfg.training.steps:
+                bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update(1)
         last = step == cfg.training.steps - 1
         flag = torch.tensor(1 if stop["flag"] else 0, device=device)  # NCCL reduces device tensors only
         dist.all_reduce(flag)  # every rank stops at the same step
         stopping = bool(flag.item()) or step + 1 == cfg.output.stop_after
         if (cfg.output.checkpoint_every and (step + 1) % cfg.output.checkpoint_every == 0) or last or stopping:
-            _save(cfg, model, optim, step, rows_done)
-        if stopping:
+            saved = _save(cfg, model, optim, step, rows_done, rows_per_step, tokenizer)
+        if stopping and not last:
+            if bar is not None:
+                bar.close()
+                bar = None
+            _say(rank, f"stopped after step {step}; checkpoint {saved}; continue with --resume")
             break
     if bar is not None:
         bar.close()
+    if rank == 0 and saved is not None and not stop["flag"] and saved.name == f"step_{cfg.training.steps - 1:06d}":
+        import shutil
+
+        final = out_dir / "adapter"
+        if final.exists():
+            shutil.rmtree(final)
+        shutil.copytree(saved / "adapter", final)
+        _say(rank, f"adapter: {final} (PeftModel.from_pretrained)")
     summary = _finish(cfg, out_dir, rank, metrics_path)
     dist.barrier()
     return summary
+
+
+def _logged_step(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 62  # an unreadable line was written after any checkpoint: dropped
 
 
 def _row_loss(cfg: Config, model, row: Row, mode, group, mesh, cp: int, cp_rank: int, device):
@@ -405,10 +511,22 @@ def _finish(cfg: Config, out_dir: Path, rank: int, metrics_path: Path) -> dict:
     return summary
 
 
+USER_ERRORS = (ConfigError, DataError, ValueError, FileNotFoundError)
+
+
 def main(argv: list[str] | None = None) -> None:
-    cfg = load_config(argv)
+    """The command line. A user error (configuration, data, folders, a checkpoint that cannot be
+    resumed, ranks that disagree) prints one line from rank 0 and exits with status 2, no traceback;
+    ``FM_TRACEBACK=1`` shows it."""
     try:
+        cfg = load_config(argv)
         train(cfg)
+    except USER_ERRORS as e:
+        if os.environ.get("FM_TRACEBACK"):
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,0 +1,127 @@
+"""The trained adapter in peft's own format, loadable with ``PeftModel.from_pretrained``.
+
+The trainer writes ``adapter/`` into every checkpoint and into the run directory at the end:
+``adapter_config.json`` + ``adapter_model.safetensors`` (peft's ``save_pretrained``), the tokenizer
+(a Hugging Face one is saved beside the adapter; the byte tokenizer is named in ``fm_parallel.json``)
+and the base model: ``model.path`` when the run fine-tuned a local model, else ``base_model/`` of the
+run directory, where a model built from the config saved its initial weights once.
+
+Convert a checkpoint written before adapters were exported (or re-export one):
+
+    python -m fm_parallel.trainer.export runs/cpu_sft                       # latest complete checkpoint
+    python -m fm_parallel.trainer.export runs/cpu_sft --checkpoint runs/cpu_sft/checkpoints/step_000049
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["export_adapter", "save_base_model", "convert_checkpoint", "BASE_SAVE_LIMIT_BYTES"]
+
+# A model built from the config has random base weights that no folder holds; they are saved with the
+# run unless larger than this (an 8B-shaped benchmark model), when the adapter names the recipe only.
+BASE_SAVE_LIMIT_BYTES = 4 * 2**30
+
+
+def save_base_model(base, path: Path) -> bool:
+    """Save a config-built base model (before LoRA is injected) so adapters load onto it; False when
+    skipped for size."""
+    size = sum(p.numel() * p.element_size() for p in base.parameters())
+    if size > BASE_SAVE_LIMIT_BYTES:
+        return False
+    path.mkdir(parents=True, exist_ok=True)
+    base.save_pretrained(path)
+    return True
+
+
+def export_adapter(model, path: Path, cfg, tokenizer, step: int) -> Path:
+    """Write ``model``'s LoRA adapter in peft format to ``path`` (rank 0; the adapter is the same on
+    every rank). ``cfg``: the run's Config; ``tokenizer``: the trainer's tokenizer."""
+    out_dir = Path(cfg.output.dir).resolve()
+    if cfg.model.path:
+        base = str(Path(cfg.model.path).resolve())
+    else:
+        base = str(out_dir / "base_model") if (out_dir / "base_model" / "config.json").exists() else ""
+    peft_config = model.peft_config["default"]
+    previous = peft_config.base_model_name_or_path
+    peft_config.base_model_name_or_path = base
+    try:
+        model.save_pretrained(str(path))
+    finally:
+        peft_config.base_model_name_or_path = previous
+    hf_tokenizer = getattr(tokenizer, "tok", None)
+    if hf_tokenizer is not None:
+        hf_tokenizer.save_pretrained(str(path))
+    info = {
+        "step": step,
+        "base_model": base or None,
+        "base_model_recipe": None if base else {k: v for k, v in cfg.to_dict()["model"].items()} | {"seed": cfg.training.seed},
+        "tokenizer": cfg.data.tokenizer or "bytes (UTF-8 bytes, 256 = document separator, 257 = padding)",
+        "vocab_size": tokenizer.vocab_size,
+        "load": "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), this folder)",
+    }
+    (path / "fm_parallel.json").write_text(json.dumps(info, indent=1))
+    return path
+
+
+def convert_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None, out: str | Path | None = None) -> Path:
+    """Export the adapter of a trainer checkpoint (default: the latest complete one) in peft format;
+    returns the folder written (default ``<checkpoint>/adapter``). One process, on the CPU."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    from fm_parallel.trainer import runs
+    from fm_parallel.trainer.config import Config, ConfigError
+    from fm_parallel.trainer.loop import _build_model, _tokenizer
+
+    run_dir = Path(run_dir)
+    saved = None
+    for name in (runs.RUN_FILE, "config.json"):
+        if (run_dir / name).exists():
+            saved = json.loads((run_dir / name).read_text())
+            break
+    if saved is None:
+        raise ConfigError(f"run_dir: expected a trainer run directory with {runs.RUN_FILE}, got {run_dir}")
+    cfg = Config()
+    for section, values in saved.items():
+        for key, value in values.items():
+            if hasattr(getattr(cfg, section, None), key):
+                setattr(getattr(cfg, section), key, value)
+    cfg.output.dir = str(run_dir)
+    path = Path(checkpoint) if checkpoint else runs.latest_checkpoint(run_dir)
+    if path is None or not (path / "complete").exists():
+        raise ConfigError(f"checkpoint: expected a complete checkpoint, got {path or 'none under ' + str(run_dir / 'checkpoints')}")
+    if (path / runs.CHECKSUMS).exists():
+        runs.verify_checkpoint(path)
+    tokenizer = _tokenizer(cfg)
+    cfg.model.activation_checkpointing, cfg.model.offload_layers, cfg.model.tile_chunk = False, 0, 0
+    model = _build_model(cfg, tokenizer.vocab_size, torch.device("cpu"))
+    options = StateDictOptions(ignore_frozen_params=True)
+    state = {"model": get_model_state_dict(model, options=options)}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    step = int(path.name.split("_")[-1]) if path.name.startswith("step_") else -1
+    return export_adapter(model, Path(out) if out else path / "adapter", cfg, tokenizer, step)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fm_parallel.trainer.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", help="the trainer's output.dir")
+    parser.add_argument("--checkpoint", default=None, help="a checkpoint folder (default: the latest complete one)")
+    parser.add_argument("--out", default=None, help="where to write the adapter (default: <checkpoint>/adapter)")
+    args = parser.parse_args(argv)
+    try:
+        path = convert_checkpoint(args.run_dir, args.checkpoint, args.out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"adapter: {path}")
+
+
+if __name__ == "__main__":
+    main()

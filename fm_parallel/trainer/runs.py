@@ -1,0 +1,151 @@
+"""Run directories and checkpoints that never mix runs, never resume from damaged bytes.
+
+A run directory holds one run: ``run.json`` (the configuration that made it), ``metrics.jsonl``,
+``training.png``, ``checkpoints/step_NNNNNN/`` and ``adapter/`` (the peft export). Rules:
+
+* a fresh run refuses a directory that holds anything, unless ``output.overwrite`` (then the earlier
+  run's files are deleted; files that no run writes are never deleted: the run refuses);
+* ``--resume`` refuses when the model, LoRA, data or sequence length differ from the run's, naming
+  every difference;
+* a checkpoint is complete only once ``checksums.json`` (SHA-256 of every file) and ``complete`` are
+  written; resuming verifies every file against it and refuses a damaged one, naming it;
+* the progress counters read back are bounded by what the run can have done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+from fm_parallel.trainer.config import Config, ConfigError
+
+__all__ = ["RUN_FILE", "check_run_dir", "clear_run_dir", "config_differences", "write_checksums",
+           "verify_checkpoint", "latest_checkpoint", "CheckpointError"]
+
+RUN_FILE = "run.json"
+# What a run writes at the top of its directory (older runs wrote config.json).
+RUN_ENTRIES = {RUN_FILE, "config.json", "metrics.jsonl", "training.png", "checkpoints", "adapter", "base_model"}
+# What must be equal to resume: the model and adapter being trained and the data stream it reads.
+RESUME_KEYS = {
+    "model": ("path", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size", "dtype", "lora_rank",
+              "lora_alpha", "lora_targets", "attention"),
+    "data": ("objective", "path", "tokenizer", "seq_len"),
+    "training": ("seed", "grad_accum"),
+}
+CHECKSUMS = "checksums.json"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be resumed from (damaged, incomplete, inconsistent)."""
+
+
+def _saved_config(out: Path) -> dict | None:
+    for name in (RUN_FILE, "config.json"):
+        path = out / name
+        if path.exists():
+            try:
+                return json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"output.dir: {path} is damaged ({e}); it cannot be resumed") from None
+    return None
+
+
+def config_differences(saved: dict, cfg: Config) -> list[str]:
+    """``section.key: saved -> now`` for every key that must not change on resume."""
+    now = cfg.to_dict()
+    diffs = []
+    for section, keys in RESUME_KEYS.items():
+        for key in keys:
+            before = saved.get(section, {}).get(key, now[section][key])
+            if before != now[section][key]:
+                diffs.append(f"{section}.{key}: {before!r} -> {now[section][key]!r}")
+    return diffs
+
+
+def check_run_dir(cfg: Config) -> None:
+    """Refuse an output directory that would mix this run with another (every rank calls this, before
+    anything is written; raises :class:`ConfigError`)."""
+    out = Path(cfg.output.dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output.dir: expected a directory, got the file {out}")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if cfg.output.resume:
+        saved = _saved_config(out)
+        if saved is None:
+            raise ConfigError(f"--resume: expected a run in output.dir {out}, found {'no directory' if not out.is_dir() else 'no run.json'}")
+        diffs = config_differences(saved, cfg)
+        if diffs:
+            raise ConfigError(f"--resume: the run in {out} was made with other settings; refusing to mix them: "
+                              + "; ".join(diffs) + " (start a new run in another output.dir, or restore the settings)")
+        return
+    if not entries:
+        return
+    foreign = [e for e in entries if e not in RUN_ENTRIES]
+    if foreign:
+        raise ConfigError(f"output.dir: {out} holds files that are not a run's ({', '.join(foreign[:5])}); "
+                          "choose an empty or new directory")
+    if not cfg.output.overwrite:
+        raise ConfigError(f"output.dir: {out} already holds a run ({', '.join(entries)}); pass --resume to continue it, "
+                          "--output.overwrite true to replace it, or choose another directory")
+
+
+def clear_run_dir(cfg: Config) -> None:
+    """Delete an earlier run's files (``output.overwrite``; rank 0 only, after :func:`check_run_dir`)."""
+    out = Path(cfg.output.dir)
+    if not out.is_dir():
+        return
+    for entry in out.iterdir():
+        if entry.name in RUN_ENTRIES:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+
+
+def _sha256(path: Path, stop=None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            if stop is not None and stop():
+                raise KeyboardInterrupt("stop requested while hashing a checkpoint")
+    return h.hexdigest()
+
+
+def _files(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.name not in (CHECKSUMS, "complete"))
+
+
+def write_checksums(path: Path) -> None:
+    """``checksums.json``: SHA-256 and size of every file of the checkpoint (written before ``complete``)."""
+    table = {str(p.relative_to(path)): {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in _files(path)}
+    tmp = path / (CHECKSUMS + ".tmp")
+    tmp.write_text(json.dumps(table, indent=1))
+    tmp.replace(path / CHECKSUMS)
+
+
+def verify_checkpoint(path: Path, stop=None) -> None:
+    """Raise :class:`CheckpointError` naming the first file that is missing, extra or damaged."""
+    listing = path / CHECKSUMS
+    if not listing.exists():
+        raise CheckpointError(f"--resume: {path} has no {CHECKSUMS} (written by an older version or cut short); "
+                              "its bytes cannot be verified. Delete it to resume from an earlier checkpoint")
+    try:
+        table = json.loads(listing.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"--resume: {listing} is damaged ({e})") from None
+    present = {str(p.relative_to(path)) for p in _files(path)}
+    missing = sorted(set(table) - present)
+    if missing:
+        raise CheckpointError(f"--resume: {path} is missing {missing[:3]}; delete the checkpoint to resume from an earlier one")
+    for name, entry in table.items():
+        file = path / name
+        if file.stat().st_size != entry.get("bytes") or _sha256(file, stop) != entry.get("sha256"):
+            raise CheckpointError(f"--resume: {file} does not match its checksum (the checkpoint is damaged); "
+                                  f"delete {path} to resume from an earlier checkpoint")
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The newest checkpoint marked complete."""
+    root = out / "checkpoints"
+    done = sorted(p for p in root.glob("step_*") if (p / "complete").exists()) if root.exists() else []
+    return done[-1] if done else None
