@@ -267,8 +267,8 @@ def flashmask_attention(
     if mask is None and dense_rows is None:
         if fms is not None:
             mask = FlashMask(fms, fme, max(nk, last_row + 1))
-        elif is_causal:
-            mask = builders.causal(nk).to(q.device)
+        elif is_causal:  # SDPA's alignment: top-left, so rows past the last key see every key
+            mask = builders.causal(nk, max(nk, last_row + 1)).to(q.device)
         else:
             mask = builders.full(nk, max(nk, last_row + 1)).to(q.device)
     if mask is not None:

@@ -8,13 +8,16 @@ forwarded through ranks that would not use it.
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
 from fm_parallel.distributed.sharding import ShardPlan
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["RingComm", "check_agreement", "check_cp_inputs"]
+__all__ = ["RingComm", "RankFailure", "check_agreement", "check_cp_inputs", "dtype_code", "device_code"]
 
 
 class RingComm:
@@ -42,55 +45,155 @@ class RingComm:
         return dist.batch_isend_irecv(ops) if ops else []
 
 
-def check_agreement(values: list[int], names: list[str], group=None) -> None:
+# Codes for values that are not ints, so that they travel in the agreement's int64 row.
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+           torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "meta", "hpu", "mtia", "privateuseone")
+_MESSAGE_BYTES = 1024
+AGREEMENT_TIMEOUT_S = float(os.environ.get("FM_AGREEMENT_TIMEOUT_S", "600"))
+
+
+class RankFailure(RuntimeError):
+    """A peer never reached a collective (it died, stopped early, or is stuck elsewhere)."""
+
+
+def dtype_code(dtype) -> int:
+    return _DTYPES.index(dtype) + 1 if dtype in _DTYPES else 0
+
+
+def device_code(device) -> int:
+    kind = torch.device(device).type
+    return _DEVICE_TYPES.index(kind) + 1 if kind in _DEVICE_TYPES else 0
+
+
+def _shown(name: str, code: int) -> str:
+    if name.endswith("dtype"):
+        return str(_DTYPES[code - 1]).replace("torch.", "") if 0 < code <= len(_DTYPES) else "?"
+    if name.endswith("device type"):
+        return _DEVICE_TYPES[code - 1] if 0 < code <= len(_DEVICE_TYPES) else "?"
+    return str(code)
+
+
+def _gather(row: torch.Tensor, group, timeout_s: float) -> torch.Tensor:
+    """All-gather one small tensor with a deadline: ``[world, *row.shape]`` on the CPU."""
+    if dist.get_backend(group) == "nccl":
+        row = row.cuda()
+    out = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
+    try:
+        work = dist.all_gather(out, row, group=group, async_op=True)
+        try:
+            work.wait(timeout=timedelta(seconds=timeout_s))
+        except TypeError:  # a backend whose wait takes no deadline: the group's own timeout applies
+            work.wait()
+        table = torch.stack(out).cpu()
+    except RuntimeError as e:  # gloo / NCCL: timed out, or a peer closed its connection
+        raise RankFailure(
+            f"ranks' agreement check: a peer did not answer within {timeout_s:g} s or closed its connection (a rank "
+            f"died, stopped early, or is stuck elsewhere; FM_AGREEMENT_TIMEOUT_S sets the deadline): {str(e)[:300]}"
+        ) from None
+    return table
+
+
+def _encode(message: str) -> torch.Tensor:
+    data = message.encode("utf-8")[:_MESSAGE_BYTES]
+    return torch.tensor(list(data) + [0] * (_MESSAGE_BYTES - len(data)), dtype=torch.uint8)
+
+
+def _decode(row: torch.Tensor) -> str:
+    return bytes(row.tolist()).rstrip(b"\0").decode("utf-8", errors="replace")
+
+
+def _exchange(values: list[int], names: list[str], group, problem: str | None, timeout_s: float) -> str | None:
+    """One stage of :func:`check_agreement`: the message every rank of ``group`` will raise, or None."""
+    row = torch.tensor([1 if problem else 0] + ([0] * len(values) if problem else [int(x) for x in values]), dtype=torch.int64)
+    table = _gather(row, group, timeout_s)
+    failed = torch.nonzero(table[:, 0]).flatten().tolist()
+    if failed:  # every rank takes part in the second gather, so every rank raises the same error
+        messages = _gather(_encode(problem or ""), group, timeout_s)
+        return _decode(messages[failed[0]])
+    for i, name in enumerate(names):
+        column = table[:, i + 1]
+        if not bool((column == column[0]).all()):
+            shown = [_shown(name, int(c)) for c in column]
+            if name in ("mask", "plan"):
+                shown = ["same as rank 0" if int(c) == int(column[0]) else "different" for c in column]
+            return f"{name}: expected the same value on every rank, got {shown} (by rank)"
+    return None
+
+
+def check_agreement(values: list[int], names: list[str], group=None, *, problem: str | None = None,
+                    groups: list | None = None, timeout_s: float | None = None) -> None:
     """All ranks compare ``values``; every rank raises the same ValueError when they differ.
 
-    One small all_gather, so a rank with a different sequence length or mask fails loudly instead of
-    hanging in a transfer that its peers never post.
+    Args:
+        values: ints (use :func:`dtype_code` / :func:`device_code` for dtypes and devices, digests for masks).
+        names: one per value, for the error.
+        problem: this rank's own check failed with this message; it still takes part, so its peers
+            raise the same error instead of blocking in a collective it never joins.
+        groups: compare over several groups in turn (hybrid: Ulysses then ring), carrying a failure on.
+        timeout_s: deadline for a peer to arrive (default ``FM_AGREEMENT_TIMEOUT_S``, 600 s); a dead
+            or absent peer raises :class:`RankFailure` instead of a hang.
     """
-    world = dist.get_world_size(group)
-    mine = torch.tensor(values, dtype=torch.int64)
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        mine = mine.cuda()
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    table = torch.stack(gathered).cpu()
-    for i, name in enumerate(names):
-        column = table[:, i]
-        if not bool((column == column[0]).all()):
-            raise ValueError(f"{name}: expected the same value on every rank, got {column.tolist()} (by rank)")
+    timeout_s = AGREEMENT_TIMEOUT_S if timeout_s is None else timeout_s
+    message = None
+    if problem is not None:
+        message = f"rank {dist.get_rank()}: {problem}"
+    for g in (groups if groups is not None else [group]):
+        message = _exchange(values, names, g, message, timeout_s) or message
+    if message:
+        raise ValueError(message)
 
 
-def check_cp_inputs(q, k, v, mask, plan, group) -> tuple[int, int]:
+def _local_problem(q, k, v, mask, plan, world) -> str | None:
+    """This rank's own checks, before the agreement (a message, or None)."""
+    if not isinstance(plan, ShardPlan) or plan.world_size != world:
+        got = plan.world_size if isinstance(plan, ShardPlan) else type(plan).__name__
+        return f"plan: expected a ShardPlan for the group's {world} ranks, got {got}"
+    if not isinstance(mask, FlashMask) or mask.num_keys != plan.num_tokens:
+        got = mask.num_keys if isinstance(mask, FlashMask) else type(mask).__name__
+        return f"mask: expected a FlashMask with {plan.num_tokens} key columns (the plan's N), got {got}"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            return f"{name}: expected a [B, H, N/P, D] tensor, got {getattr(t, 'shape', type(t).__name__)}"
+    b, hq, n_local, d = q.shape
+    hkv = k.shape[1]
+    if n_local != plan.local_tokens or k.shape[2] != n_local or v.shape[2] != n_local:
+        return f"q, k, v: expected {plan.local_tokens} local tokens (N / P), got {n_local}, {k.shape[2]}, {v.shape[2]}"
+    if k.shape[:2] != v.shape[:2] or k.shape[0] != b or k.shape[-1] != d:
+        return f"k, v: expected [B={b}, H_kv, N/P, D={d}] alike, got {tuple(k.shape)} and {tuple(v.shape)}"
+    if hkv < 1 or hq % hkv:
+        return f"k: expected a number of heads dividing q's {hq}, got {hkv}"
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        return f"q, k, v: expected one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    if not (q.device == k.device == v.device):
+        return f"q, k, v: expected one device, got {q.device}, {k.device}, {v.device}"
+    if mask.device != q.device:
+        return f"mask: expected device {q.device} like q, got {mask.device}"
+    if mask.batch not in (1, b) or mask.heads not in (1, hkv, hq):
+        return f"mask: expected batch 1 or {b} and 1, {hkv} or {hq} heads, got {mask.batch} and {mask.heads}"
+    return None
+
+
+def check_cp_inputs(q, k, v, mask, plan, group, *, groups: list | None = None, world: int | None = None) -> tuple[int, int]:
     """The checks every context-parallel attention call makes; returns ``(world, rank)`` of the group.
 
-    Ranks first agree on shapes, the mask and the plan (one all_gather), so that a mismatch raises the
-    same ValueError on every rank instead of hanging in a collective that its peers never join.
+    Every rank runs its own checks, then all ranks agree (one all_gather) on shapes, dtype, device
+    type, the mask (a cryptographic digest of its bounds, cached per mask) and the plan; a rank whose
+    own check failed still joins, so the same ValueError is raised on every rank instead of a hang.
+    ``groups``: agree over these groups in turn instead of ``group`` alone, with ``world`` the ranks
+    the plan spans (hybrid: Ulysses then ring groups, R x U ranks).
     """
     if not dist.is_initialized():
         raise ValueError("group: expected an initialised torch.distributed process group, got none")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if not isinstance(plan, ShardPlan) or plan.world_size != world:
-        got = plan.world_size if isinstance(plan, ShardPlan) else type(plan).__name__
-        raise ValueError(f"plan: expected a ShardPlan for the group's {world} ranks, got {got}")
-    if not isinstance(mask, FlashMask) or mask.num_keys != plan.num_tokens:
-        got = mask.num_keys if isinstance(mask, FlashMask) else type(mask).__name__
-        raise ValueError(f"mask: expected a FlashMask with {plan.num_tokens} key columns (the plan's N), got {got}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name}: expected a [B, H, N/P, D] tensor, got {getattr(t, 'shape', type(t).__name__)}")
-    b, hq, n_local, d = q.shape
-    hkv = k.shape[1]
-    check_agreement(
-        [n_local, k.shape[2], b, hq, hkv, d, v.shape[-1], plan.num_tokens, mask.digest(), plan.digest()],
-        ["q length", "k length", "batch", "query heads", "kv heads", "head dim", "value dim", "plan tokens", "mask", "plan"],
-        group,
-    )
-    if n_local != plan.local_tokens or k.shape[2] != n_local or v.shape[2] != n_local:
-        raise ValueError(f"q, k, v: expected {plan.local_tokens} local tokens (N / P), got {n_local}, {k.shape[2]}, {v.shape[2]}")
-    if k.shape[:2] != v.shape[:2] or k.shape[0] != b or k.shape[-1] != d:
-        raise ValueError(f"k, v: expected [B={b}, H_kv, N/P, D={d}] alike, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if mask.device != q.device:
-        raise ValueError(f"mask: expected device {q.device} like q, got {mask.device}")
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group) if world is None else world
+    problem = _local_problem(q, k, v, mask, plan, world)
+    names = ["q length", "k length", "batch", "query heads", "kv heads", "head dim", "value dim", "plan tokens",
+             "dtype", "device type", "mask", "plan"]
+    values = [0] * len(names)
+    if problem is None:
+        b, hq, n_local, d = q.shape
+        values = [n_local, k.shape[2], b, q.shape[1], k.shape[1], d, v.shape[-1], plan.num_tokens,
+                  dtype_code(q.dtype), device_code(q.device), mask.digest(), plan.digest()]
+    check_agreement(values, names, group, problem=problem, groups=groups)
     return world, rank

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from fm_parallel.distributed.comm import check_cp_inputs
 from fm_parallel.distributed.ring import RingStats, ring_attention
 from fm_parallel.distributed.sharding import ShardPlan
 from fm_parallel.distributed.ulysses import _rank_mask, heads_to_seq, seq_to_heads, ulysses_heads
@@ -59,6 +60,9 @@ def hybrid_attention(
         got = plan.world_size if isinstance(plan, ShardPlan) else type(plan).__name__
         raise ValueError(f"plan: expected a ShardPlan over ring x ulysses = {r} x {u} = {r * u} ranks, got {got}")
     ring_group, uly_group = mesh.get_group("ring"), mesh.get_group("ulysses")
+    # One agreement over the whole grid before the first all-to-all: a rank that disagrees or fails a
+    # check raises the same error on every rank of the grid instead of leaving them in a collective.
+    check_cp_inputs(q, k, v, mask, plan, None, groups=[uly_group, ring_group], world=r * u)
     g, uly_rank = mesh.get_local_rank("ring"), mesh.get_local_rank("ulysses")
     hq, hkv = q.shape[1], k.shape[1]
     repeat = ulysses_heads(hq, hkv, u)

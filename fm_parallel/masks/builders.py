@@ -17,7 +17,7 @@ from functools import reduce
 import torch
 
 from fm_parallel.masks import intervals
-from fm_parallel.masks.flashmask import MAX_INTERVALS, FlashMask
+from fm_parallel.masks.flashmask import _INT32_MAX, MAX_INTERVALS, FlashMask
 from fm_parallel.masks.intervals import MaskNotExpressible
 
 __all__ = [
@@ -37,11 +37,14 @@ __all__ = [
 
 
 # ------------------------------------------------------------------ helpers
-def _check_int(name: str, value, low: int = 0) -> int:
+def _check_int(name: str, value, low: int = 0, high: int = _INT32_MAX) -> int:
+    """Rows and lengths are int32 in a FlashMask: every size a builder takes lies in ``[low, 2^31 - 1]``."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_floating_point:
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+    if value > high:
+        raise ValueError(f"{name}: expected an int >= {low} and <= {high} (rows are int32), got {value!r}")
     return value
 
 
@@ -72,7 +75,11 @@ def _rows(name: str, x) -> list[list[int]]:
 
 def _row_length(name: str, rows: list[list[int]], n) -> int:
     longest = max(sum(r) for r in rows)
+    if longest > _INT32_MAX:
+        raise ValueError(f"{name}: expected rows of at most {_INT32_MAX} tokens (int32 bounds), got {longest}")
     if n is None:
+        if longest == 0:
+            raise ValueError(f"{name}: expected at least one non-empty document (or n for an all-padding row), got {rows}")
         n = longest
     n = _check_int("n", n, low=1)
     if longest > n:
@@ -104,11 +111,15 @@ def _make(fms: torch.Tensor, fme: torch.Tensor, pad: torch.Tensor | None, n: int
 
 
 # ----------------------------------------------------------------- builders
-def causal(n: int) -> FlashMask:
-    """Lower-triangular mask: row ``i`` sees keys ``j <= i``. ``[1, 1, n]``."""
+def causal(n: int, num_rows: int | None = None) -> FlashMask:
+    """Lower-triangular mask: row ``i`` sees keys ``j <= i``. ``[1, 1, n]``.
+
+    ``num_rows`` (default ``n``): more query rows than keys, aligned top-left as SDPA's
+    ``is_causal`` is (rows ``>= n`` see every key)."""
     n = _check_int("n", n, low=1)
+    rows = n if num_rows is None else _check_int("num_rows", num_rows, low=n)
     j = torch.arange(n).view(1, n)
-    return _make(j, torch.full_like(j, n - 1), None, n)
+    return _make(j, torch.full_like(j, rows - 1), None, n, rows)
 
 
 def full(n: int, num_rows: int | None = None) -> FlashMask:
@@ -368,6 +379,10 @@ def from_dense(mask: torch.Tensor, max_intervals: int = MAX_INTERVALS) -> FlashM
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"mask: expected a [Nq, Nk] or [B, H, Nq, Nk] tensor, got {shape}")
     max_intervals = _check_int("max_intervals", max_intervals, 1)
+    if mask.numel() == 0:
+        raise ValueError(f"mask: expected at least one query row and one key column, got shape {tuple(mask.shape)}")
+    if mask.shape[-2] > _INT32_MAX or mask.shape[-1] > _INT32_MAX:
+        raise ValueError(f"mask: expected at most {_INT32_MAX} rows and columns (int32 bounds), got {tuple(mask.shape)}")
     if mask.dim() == 2:
         mask = mask.view(1, 1, *mask.shape)
     if mask.dtype != torch.bool:

@@ -8,6 +8,7 @@ and the mask is never rewritten. Memory is O(N): ``2 * 4 * B * Hm * Nk * M`` byt
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -122,6 +123,9 @@ class FlashMask:
         if fms is self.fms and fme is self.fme:
             return self  # already there: keep the caches
         moved = FlashMask(fms, fme, self.num_rows, validate=False)
+        digest = ("digest", self.fms._version, self.fme._version)
+        if digest in self._cache:
+            moved._cache[("digest", moved.fms._version, moved.fme._version)] = self._cache[digest]
         key = self._documents_key()
         if key in self._cache or self.device.type == "cpu":
             moved.set_causal_documents(self.causal_documents())
@@ -187,14 +191,18 @@ class FlashMask:
         return intervals.count_rows(self.fms, self.fme, self.num_rows if nq is None else nq).sum(-1)
 
     def digest(self) -> int:
-        """A cheap 62-bit digest of the bounds (cached), to check that ranks hold the same mask."""
-
-        def make() -> int:
-            w = torch.arange(1, self.fms.numel() + 1, device=self.device, dtype=torch.int64) % 1_000_003
-            h = (self.fms.flatten().to(torch.int64) * w).sum() * 31 + (self.fme.flatten().to(torch.int64) * (w + 7)).sum()
-            return int(h) % (1 << 62) ^ (self.num_rows << 1) ^ (self.max_intervals << 40)
-
-        return self.cached(("digest",), make)
+        """A 63-bit BLAKE2b digest of the bounds' bytes, shape and ``num_rows``, for checking that
+        ranks hold the same mask (two different masks collide with probability 2^-63, not by
+        construction as with a weighted sum). Cached per mask and carried by :meth:`to`; a GPU mask
+        that was never told copies its bounds to the host once (one sync)."""
+        key = ("digest", self.fms._version, self.fme._version)
+        if key not in self._cache:
+            h = hashlib.blake2b(digest_size=8)
+            h.update(repr((tuple(self.fms.shape), self.num_rows)).encode())
+            for bounds in (self.fms, self.fme):
+                h.update(bounds.detach().to("cpu", torch.int32).contiguous().numpy().tobytes())
+            self._cache[key] = int.from_bytes(h.digest(), "little") >> 1  # fits an int64
+        return self._cache[key]
 
     def block_summary(self, block: int) -> "BlockSummary":
         """Min/max of the bounds per key block of ``block`` columns (cached per block size)."""

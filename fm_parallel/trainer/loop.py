@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from fm_parallel.distributed import ParallelDims, shard
+from fm_parallel.distributed.comm import RankFailure
 from fm_parallel.distributed.context import ContextParallel
 from fm_parallel.trainer import runs
 from fm_parallel.trainer.config import Config, ConfigError, load_config
@@ -430,6 +431,8 @@ def _logged_step(line: str) -> int:
 def _row_loss(cfg: Config, model, row: Row, mode, group, mesh, cp: int, cp_rank: int, device):
     n = cfg.data.seq_len
     ids, labels = row.input_ids.view(1, n).to(device), row.labels.view(1, n).to(device)
+    if cp > 1:
+        row.mask.digest()  # hashed on the host where the loader built it; .to() carries it (no device sync)
     mask = row.mask.to(device)
     positions = torch.arange(n, device=device).view(1, n)
     segment, sample = row.segment.view(1, n).to(device), row.sample.view(1, n).to(device)
@@ -511,7 +514,7 @@ def _finish(cfg: Config, out_dir: Path, rank: int, metrics_path: Path) -> dict:
     return summary
 
 
-USER_ERRORS = (ConfigError, DataError, ValueError, FileNotFoundError)
+USER_ERRORS = (ConfigError, DataError, ValueError, FileNotFoundError, RankFailure)
 
 
 def main(argv: list[str] | None = None) -> None:
