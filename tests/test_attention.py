@@ -37,6 +37,27 @@ def test_is_causal_and_unmasked_match_sdpa():
     )
 
 
+@pytest.mark.parametrize("nq, nk", [(70, 33), (33, 70), (1, 5), (9, 1)])
+@pytest.mark.parametrize("impl", ["torch", "dense", "triton"])
+def test_is_causal_with_unequal_lengths_aligns_top_left_like_sdpa(nq, nk, impl):
+    """SDPA's is_causal puts row i against keys j <= i (top-left) whatever the lengths: a drop-in must too,
+    forward and backward (rows past the last key see every key)."""
+    if impl == "triton":
+        pytest.importorskip("triton")
+        if not torch.cuda.is_available():
+            pytest.skip("Triton on the CPU runs under TRITON_INTERPRET=1 in tests/kernels; here the public path")
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, nq, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, nk, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, nk, 16, dtype=torch.float64, requires_grad=True)
+    got = flashmask_attention(q, k, v, is_causal=True, impl=impl)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(got, want)
+    grads = torch.autograd.grad(got.sum(), (q, k, v))
+    for g, w in zip(grads, torch.autograd.grad(want.sum(), (q, k, v))):
+        torch.testing.assert_close(g, w)
+
+
 def test_inexpressible_mask_falls_back_to_dense_and_logs_once(caplog):
     g = torch.Generator().manual_seed(0)
     dense = torch.rand(64, 64, generator=g) < 0.5  # random dropout-like mask: many intervals per column

@@ -35,7 +35,8 @@ def _entry(rank, world, init_file, out_dir, fn, args):
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 240.0) -> list[dict]:
+def run_ranks(fn, world: int, *args, timeout: float = 240.0, allow_missing: bool = False) -> list[dict | None]:
+    """Each rank's result; ``allow_missing``: a rank that wrote none (it died) gives None instead of failing."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         ctx = mp.start_processes(_entry, args=(world, init_file, tmp, fn, args), nprocs=world, join=False, start_method="spawn")
@@ -47,10 +48,10 @@ def run_ranks(fn, world: int, *args, timeout: float = 240.0) -> list[dict]:
             try:
                 if ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
                     break
-            except mp.ProcessExitedException as e:
+            except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
                 # A rank that dies after writing its result died in teardown (seen rarely: DeepSpeed's
-                # shared-memory comm aborting at exit); its result still counts. One that dies before
-                # writing it fails below, when its file is missing.
+                # shared-memory comm aborting at exit, or a barrier whose peer died); its result still
+                # counts. One that dies before writing it fails below, when its file is missing.
                 teardown = str(e)
                 for p in ctx.processes:
                     p.join(timeout=30)
@@ -63,6 +64,8 @@ def run_ranks(fn, world: int, *args, timeout: float = 240.0) -> list[dict]:
                 raise TimeoutError(f"{world} ranks did not finish within {timeout} s (a hang)")
         paths = [os.path.join(tmp, f"rank{r}.json") for r in range(world)]
         missing = [r for r, path in enumerate(paths) if not os.path.exists(path)]
+        if allow_missing:
+            return [json.load(open(path)) if os.path.exists(path) else None for path in paths]
         if missing:
             # Every missing rank is named: the one that died first and any the harness then stopped.
             named = "; ".join(f"rank {r} wrote no result" for r in missing)

@@ -157,6 +157,17 @@ def test_stack_rows():
         (lambda: masks.dpo([1, 2], [1], [1, 1]), "expected 2 entries like prompt_len"),
         (lambda: masks.preference(3, []), "at least one response"),
         (lambda: masks.union(masks.causal(4), masks.causal(5)), "expected masks of equal num_keys"),
+        # The argument at fault is named (an empty list once blamed n), and sizes past int32 rows are refused.
+        (lambda: masks.document([]), r"lengths: expected at least one non-empty document"),
+        (lambda: masks.document([0, 0]), r"lengths: expected at least one non-empty document"),
+        (lambda: masks.document([2**30, 2**30]), r"lengths: expected rows of at most 2147483647 tokens"),
+        (lambda: masks.document(cu_seqlens=[]), "cu_seqlens: expected a non-decreasing list starting at 0"),
+        (lambda: masks.causal(2**31), r"n: expected an int >= 1 and <= 2147483647 \(rows are int32\), got 2147483648"),
+        (lambda: masks.full(4, num_rows=2**31), r"num_rows: expected an int >= 1 and <= 2147483647"),
+        (lambda: masks.sliding_window(2**31, 4), r"n: expected an int >= 1 and <= 2147483647"),
+        (lambda: masks.from_dense(torch.zeros(0, 0, dtype=torch.bool)), r"mask: expected at least one query row and one key column, got shape \(0, 0\)"),
+        (lambda: masks.from_dense(torch.ones(1, 1, 3, 0, dtype=torch.bool)), r"mask: expected at least one query row and one key column"),
+        (lambda: masks.from_dense([[True]]), r"mask: expected a \[Nq, Nk\] or \[B, H, Nq, Nk\] tensor, got list"),
     ],
 )
 def test_builder_bad_input(call, message):

@@ -1,0 +1,139 @@
+"""Ranks that disagree, fail alone or die: every live rank raises the same clear error, never a hang,
+never a silently wrong result.
+
+The agreement digest is a real hash: packings that the old weighted-sum digest could not tell apart
+(``document([2, 30, 32])`` and ``document([9, 44, 11])``) are told apart by ring, Ulysses and hybrid.
+"""
+
+import itertools
+import time
+
+import pytest
+import torch
+
+from tests.distributed.spawn import run_ranks
+
+N, H, D = 64, 4, 8
+
+
+def _qkv(rank, world, dtype=torch.float32, n_local=None):
+    torch.manual_seed(rank)
+    n_local = N // world if n_local is None else n_local
+    return [torch.randn(1, H, n_local, D, dtype=dtype) for _ in range(3)]
+
+
+def _call(kind, q, k, v, mask, plan, world):
+    from fm_parallel.distributed import hybrid_attention, ring_attention, ulysses_attention
+
+    if kind == "ring":
+        return ring_attention(q, k, v, mask, plan)
+    if kind == "ulysses":
+        return ulysses_attention(q, k, v, mask, plan)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("ring", "ulysses"))
+    return hybrid_attention(q, k, v, mask, plan, mesh)
+
+
+def _outcome(fn):
+    try:
+        fn()
+        return {"error": None}
+    except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic()}
+
+
+def disagreeing_masks(rank, world, kind):
+    from fm_parallel import masks
+    from fm_parallel.distributed import shard
+
+    mask = masks.document([2, 30, 32]) if rank == 0 else masks.document([9, 44, 11])
+    plan = shard(N, world, "contiguous")
+    return _outcome(lambda: _call(kind, *_qkv(rank, world), mask, plan, world))
+
+
+def disagreeing_dtypes(rank, world, kind):
+    from fm_parallel import masks
+    from fm_parallel.distributed import shard
+
+    dtype = torch.float32 if rank == 0 else torch.float64
+    return _outcome(lambda: _call(kind, *_qkv(rank, world, dtype), masks.causal(N), shard(N, world, "contiguous"), world))
+
+
+def one_rank_fails_its_own_check(rank, world, kind):
+    from fm_parallel import masks
+    from fm_parallel.distributed import shard
+
+    n_local = N // world + (1 if rank == world - 1 else 0)  # the last rank brings one token too many
+    q, k, v = _qkv(rank, world, n_local=n_local)
+    return _outcome(lambda: _call(kind, q, k, v, masks.causal(N), shard(N, world, "contiguous"), world))
+
+
+@pytest.mark.parametrize("kind, world", [("ring", 2), ("ulysses", 2), ("hybrid", 4)])
+def test_masks_that_a_weak_digest_confused_are_refused_on_every_rank(kind, world):
+    from fm_parallel import masks
+
+    a, b = masks.document([2, 30, 32]), masks.document([9, 44, 11])
+    assert not torch.equal(a.to_dense(), b.to_dense())
+    results = run_ranks(disagreeing_masks, world, kind, timeout=180)
+    # Hybrid agrees over the Ulysses groups then the ring groups: every rank of the grid learns it.
+    assert all("ValueError: mask: expected the same value on every rank" in r["error"] for r in results), results
+
+
+@pytest.mark.parametrize("kind, world", [("ring", 2), ("ulysses", 2)])
+def test_ranks_with_different_dtypes_raise_instead_of_crashing_gloo(kind, world):
+    results = run_ranks(disagreeing_dtypes, world, kind, timeout=180)
+    want = "ValueError: dtype: expected the same value on every rank, got ['float32', 'float64'] (by rank)"
+    assert all(r["error"] == want for r in results), results
+
+
+@pytest.mark.parametrize("kind, world", [("ring", 2), ("ulysses", 2), ("hybrid", 4)])
+def test_a_rank_failing_its_own_check_still_joins_so_all_raise_the_same_error(kind, world):
+    results = run_ranks(one_rank_fails_its_own_check, world, kind, timeout=180)
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1, results
+    assert errors.pop().startswith(f"ValueError: rank {world - 1}: q, k, v: expected {N // world} local tokens")
+
+
+def absent_peer(rank, world, behaviour):
+    from fm_parallel import masks
+    from fm_parallel.distributed import comm, ring_attention, shard
+
+    comm.AGREEMENT_TIMEOUT_S = 3.0
+    if rank == 1:
+        if behaviour == "dies":
+            import os
+
+            os._exit(0)  # gone without a word: its sockets close
+        time.sleep(8)  # alive but elsewhere, then killed: never reaches the call
+        import os
+
+        os._exit(0)
+    start = time.monotonic()
+    result = _outcome(lambda: ring_attention(*_qkv(rank, world), masks.causal(N), shard(N, world, "contiguous")))
+    result["seconds"] = time.monotonic() - start
+    return result
+
+
+@pytest.mark.parametrize("behaviour", ["stuck", "dies"])
+def test_a_dead_or_absent_rank_gives_a_clear_error_not_a_hang(behaviour):
+    results = run_ranks(absent_peer, 2, behaviour, timeout=120, allow_missing=True)
+    first = results[0]
+    assert first is not None and first["error"].startswith("RankFailure: ranks' agreement check: a peer did not answer"), results
+    assert first["seconds"] < 10, first
+
+
+def test_the_digest_tells_every_three_document_packing_apart():
+    from fm_parallel import masks
+    from fm_parallel.distributed import shard
+
+    digests = {}
+    for a, b in itertools.combinations(range(1, N), 2):
+        lengths = (a, b - a, N - b)
+        digests.setdefault(masks.document(list(lengths)).digest(), []).append(lengths)
+    assert len(digests) == len(list(itertools.combinations(range(1, N), 2)))  # 1953 packings, 1953 digests
+    # Carried to another device and back without recomputing; changes with num_rows and shape.
+    m = masks.document([2, 30, 32])
+    assert m.to("meta").digest() == m.digest() if hasattr(torch, "meta") else True
+    assert masks.full(8).digest() != masks.full(8, num_rows=9).digest()
+    assert shard(N, 2, "contiguous").digest() != shard(N, 2, "zigzag").digest()

@@ -1,0 +1,103 @@
+"""Data: every record is trained on exactly once per pass (partial rows padded, long records in
+pieces, DPO samples never cut), and a bad file fails up front naming file:line."""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from fm_parallel.trainer.data import ByteTokenizer, DataError, dpo_rows, sft_rows, validate_jsonl
+
+TOK = ByteTokenizer()
+
+
+def write(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return str(path)
+
+
+def pass_tokens(rows):
+    """The real (non-padding) token ids of rows, document by document, in order."""
+    docs = []
+    for row in rows:
+        for d in range(int(row.sample.max()) + 1):
+            docs.append(row.input_ids[row.sample == d].tolist())
+    return docs
+
+
+def test_every_record_reaches_a_row_once_per_pass(tmp_path):
+    # Six 12-token records into 64-token rows: 5 fit the first row, the sixth was once dropped.
+    texts = [f"abcdefghij{i}" for i in range(6)]
+    path = write(tmp_path / "d.jsonl", [{"text": t} for t in texts])
+    rows = list(itertools.islice(sft_rows(64, TOK, path), 4))
+    want = [[TOK.bos_id] + list(t.encode()) for t in texts]
+    assert pass_tokens(rows[:2]) == want  # first pass: all six, in order
+    assert pass_tokens(rows[2:]) == want  # second pass: the same again
+    assert int((rows[1].sample >= 0).sum()) == 12 and (rows[1].input_ids[12:] == TOK.pad_id).all()
+    assert (rows[1].labels[11:] == -100).all()  # padding predicts nothing
+
+
+def test_a_record_longer_than_a_row_is_trained_in_full(tmp_path):
+    text = "".join(chr(97 + i % 26) for i in range(149))
+    path = write(tmp_path / "d.jsonl", [{"text": text}])
+    rows = list(itertools.islice(sft_rows(64, TOK, path), 3))
+    pieces = pass_tokens(rows)
+    assert [len(p) for p in pieces] == [64, 64, 22]
+    assert sum(pieces, []) == [TOK.bos_id] + list(text.encode())
+
+
+def test_a_data_set_smaller_than_one_row_does_not_hang(tmp_path):
+    path = write(tmp_path / "d.jsonl", [{"text": "hello world"}])
+    rows = list(itertools.islice(sft_rows(64, TOK, path), 3))  # returns: one padded row per pass
+    assert [int((r.sample >= 0).sum()) for r in rows] == [12, 12, 12]
+
+
+def test_dpo_samples_are_never_cut(tmp_path):
+    sample = {"prompt": "p" * 40, "chosen": "c" * 50, "rejected": "r" * 45}
+    path = write(tmp_path / "d.jsonl", [sample, sample])
+    rows = list(itertools.islice(dpo_rows(256, TOK, path), 2))
+    for row in rows:  # both samples (137 tokens each) do not fit one row: one per row, whole
+        assert [int((row.segment == s).sum()) for s in (0, 1, 2)] == [40, 51, 46]
+    with pytest.raises(DataError, match=r"d.jsonl:1: a DPO sample of 137 tokens .* does not fit data.seq_len = 128"):
+        next(dpo_rows(128, TOK, path))
+    with pytest.raises(DataError, match=r"d.jsonl:1: a DPO sample of 137 tokens"):
+        validate_jsonl(path, "dpo", 128, TOK)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"text": "a"}\nnot json\n', r":2: expected one JSON object per line, got invalid JSON"),
+    (b'{"text": "a"}\n[1, 2]\n', r":2: expected a JSON object with string fields \['text'\], got an array"),
+    (b'null\n', r":1: expected a JSON object .* got null"),
+    (b'{"text": "ok"}\n{"text": "\xff\xfe"}\n', r":2: expected UTF-8 text, got byte 0xff"),
+    (b'{"text": 5}\n', r":1: expected string fields \['text'\], missing or not a string: \['text'\] \(got \{'text': 'a number'\}\)"),
+    (b'{"body": "a"}\n', r":1: expected string fields \['text'\], missing"),
+    (b'\n\n', r"expected at least one record, got none"),
+])
+def test_bad_lines_are_named_by_file_and_line(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=message) as info:
+        validate_jsonl(str(path), "sft")
+    assert str(path) in str(info.value)
+
+
+def test_validation_reaches_the_last_line_fast(tmp_path):
+    # A bad line deep in the file is found before training, not at the step that reads it.
+    lines = [{"text": f"record {i}"} for i in range(20000)] + ["{broken"]
+    path = write(tmp_path / "big.jsonl", lines)
+    with pytest.raises(DataError, match=r"big.jsonl:20001:"):
+        validate_jsonl(path, "sft")
+    assert validate_jsonl(write(tmp_path / "ok.jsonl", lines[:-1]), "sft") == 20000
+    with pytest.raises(DataError, match="data.path: expected an existing JSONL file"):
+        validate_jsonl(str(tmp_path / "missing.jsonl"), "sft")
+
+
+def test_builtin_dpo_samples_fit_small_rows():
+    row = next(dpo_rows(64, TOK))
+    assert int((row.segment >= 0).sum()) <= 64 and int(row.sample.max()) >= 0
+    with pytest.raises(DataError, match="data.seq_len"):
+        next(dpo_rows(1, TOK))
+    with pytest.raises(DataError, match="data.seq_len"):
+        next(sft_rows(0, TOK))
+    assert torch.equal(next(sft_rows(64, TOK)).input_ids, next(sft_rows(64, TOK)).input_ids)
