@@ -178,6 +178,22 @@ def _supports(backend, device: torch.device) -> bool:
     return getattr(backend, "supports", lambda _: True)(device)
 
 
+def autocast_inputs(q, k, v):
+    """q, k, v in the autocast dtype when autocast is on for their device (SDPA runs in the lower
+    precision under autocast, whatever dtypes its inputs come in); unchanged otherwise."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return q, k, v
+    kind = q.device.type
+    try:
+        enabled = torch.is_autocast_enabled(kind)
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return q, k, v
+    if not enabled:
+        return q, k, v
+    dtype = torch.get_autocast_dtype(kind)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in (q, k, v))
+
+
 def flashmask_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -223,8 +239,10 @@ def flashmask_attention(
             ``impl="auto"`` picks Triton and ``impl="cute"`` raises.
     Returns:
         ``out [B, Hq, Nq, Dv]`` in q's dtype (and ``lse``). Rows that see no key give 0 (lse -inf)
-        and no NaN in any gradient.
+        and no NaN in any gradient. Under ``torch.autocast`` q, k, v are cast to the autocast dtype
+        first and the output is in it, as SDPA does (differentiably: gradients reach the originals).
     """
+    q, k, v = autocast_inputs(q, k, v)
     b, hq, nq, hkv, nk = _check_qkv(q, k, v)
     d = q.shape[-1]
     if scale is None:

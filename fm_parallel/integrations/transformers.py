@@ -4,23 +4,38 @@
     name = fm_hf.register()                                   # "fm_parallel"; idempotent
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name)
     out = model(input_ids, flashmask=mask)                    # or fms=..., fme=...; fm_impl="triton" etc.
+    out = model(**DataCollatorWithFlattening()(examples))     # packed rows: the mask comes from the kwargs
     out = model(ids_local, position_ids=plan.position_ids(rank), flashmask=mask,
                 fm_context=ContextParallel("ring", plan))     # context parallel
 
 The mask travels as a keyword argument (transformers forwards unknown keyword arguments to the
 attention function, through peft too), so no N x N mask is ever built: the name registers a mask
 function that hands over only the 2-D padding mask, which is folded into the FlashMask (padding keys
-are seen by no row). Without a FlashMask the layer is causal (or bidirectional when the module says
-``is_causal = False``). The name avoids "flash": transformers treats such names as FlashAttention.
+are seen by no row). When no FlashMask is given, the layer uses what the ecosystem already passes:
+
+* ``cu_seq_lens_k`` (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``, TRL padding-free):
+  packed documents with those boundaries;
+* else ``position_ids`` whose value does not increase by one (a new document starts there), as
+  transformers' own ``sdpa`` path reads them;
+* else causal (or bidirectional when the module says ``is_causal = False``).
+
+The derived mask is built once per forward (cached on the tensors it came from, reused by every
+layer) without a device sync for ``position_ids``. With fewer queries than keys (a KV cache in
+``generate()``) the queries are the last rows (bottom-right alignment, as ``sdpa`` and flash-attn do).
+Under ``torch.autocast`` q, k, v are computed in the autocast dtype, as ``sdpa`` does. Layers with a
+``sliding_window`` get it intersected into the mask; attention sinks (``s_aux``) and logit soft-capping
+are refused rather than ignored. The name avoids "flash": transformers treats such names as
+FlashAttention.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
-from fm_parallel.attention import flashmask_attention
+from fm_parallel.attention import autocast_inputs, flashmask_attention
 from fm_parallel.masks import builders
 from fm_parallel.masks.flashmask import FlashMask
 
@@ -55,6 +70,53 @@ def _default_mask(n_keys: int, causal: bool, device: torch.device) -> FlashMask:
     return (builders.causal(n_keys) if causal else builders.full(n_keys)).to(device)
 
 
+class _PerForward:
+    """A one-entry cache keyed on the identity (and version) of tensors: every layer of one forward
+    receives the same ``position_ids`` / ``cu_seq_lens`` / padding tensors, so what is derived from
+    them is built by the first layer and reused by the rest, and dropped when the next forward comes."""
+
+    def __init__(self):
+        self.key, self.refs, self.value = None, (), None
+
+    def get(self, tensors: tuple, extra: tuple, make):
+        refs = tuple(t for t in tensors if t is not None)
+        key = (tuple(t._version for t in refs), extra)
+        alive = tuple(r() for r in self.refs)
+        if self.value is not None and key == self.key and len(alive) == len(refs) and all(a is t for a, t in zip(alive, refs)):
+            return self.value
+        value = make()
+        self.key, self.refs, self.value = key, tuple(weakref.ref(t) for t in refs), value
+        return value
+
+
+_DERIVED = _PerForward()
+
+
+def _documents_from_positions(position_ids: torch.Tensor, batch: int, n: int, causal: bool, device) -> FlashMask:
+    """Packed documents where ``position_ids [B|1, n]`` restart (a step other than +1), on the
+    tensor's own device without a sync: ``[B, 1, n]`` bounds."""
+    pos = position_ids.to(device=device, dtype=torch.int64).reshape(-1, n).expand(batch, n)
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    idx = torch.arange(n, device=device).expand(batch, n)
+    # The next document start strictly after each token (n if none): its document ends just before.
+    after = torch.cat([torch.where(starts, idx, n)[:, 1:], torch.full((batch, 1), n, device=device)], 1)
+    end = torch.flip(torch.cummin(torch.flip(after, [1]), 1).values, [1]) - 1
+    first = torch.cummax(torch.where(starts, idx, 0), 1).values  # this token's document start
+    fms = (idx if causal else first).to(torch.int32)
+    return FlashMask(fms[:, None, :, None].contiguous(), end.to(torch.int32)[:, None, :, None].contiguous(), n, validate=False)
+
+
+def _documents_from_cu_seqlens(cu_q, cu_k, n: int, causal: bool, device) -> FlashMask:
+    """Packed documents from flash-attn style boundaries ``[0, l0, l0 + l1, ..., n]`` (one row)."""
+    bounds = cu_k.tolist()  # one host copy per forward (cached), so the mask knows its documents
+    if cu_q is not None and cu_q is not cu_k and cu_q.tolist() != bounds:
+        raise ValueError(f"cu_seq_lens_q: expected the boundaries of cu_seq_lens_k {bounds} (self-attention), got {cu_q.tolist()}")
+    if not bounds or bounds[0] != 0 or bounds[-1] != n or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seq_lens_k: expected non-decreasing boundaries from 0 to the {n} packed tokens, got {bounds}")
+    return builders.document(cu_seqlens=bounds, causal=causal).to(device)
+
+
 def _with_padding(mask: FlashMask, padding: torch.Tensor) -> FlashMask:
     """Make padding keys (``padding[b, j]`` False) invisible to every row."""
     b = padding.shape[0]
@@ -62,6 +124,28 @@ def _with_padding(mask: FlashMask, padding: torch.Tensor) -> FlashMask:
     fms = mask.fms.expand(b, *mask.fms.shape[1:])
     fme = mask.fme.expand(b, *mask.fme.shape[1:])
     return FlashMask(torch.where(pad, mask.num_rows, fms), torch.where(pad, -1, fme), mask.num_rows, validate=False)
+
+
+def _layer_mask(module, query, n_keys, attention_mask, position_ids, cu_q, cu_k, sliding_window) -> FlashMask:
+    """The mask of a call that brings no FlashMask (see the module docstring), cached per forward."""
+    causal = bool(getattr(module, "is_causal", True))
+    batch, n_queries, device = query.shape[0], query.shape[2], query.device
+    padding = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+    same_length = n_queries == n_keys  # no KV-cache prefix: the packing can be read from the queries' positions
+
+    def make() -> FlashMask:
+        if cu_k is not None and same_length:
+            mask = _documents_from_cu_seqlens(cu_q, cu_k, n_keys, causal, device)
+        elif position_ids is not None and same_length and position_ids.shape[-1] == n_keys:
+            mask = _documents_from_positions(position_ids, batch, n_keys, causal, device)
+        else:
+            mask = _default_mask(n_keys, causal, device)
+        if sliding_window:
+            mask = builders.intersect(mask, builders.sliding_window(n_keys, int(sliding_window)).to(device))
+        return _with_padding(mask, padding) if padding is not None else mask
+
+    sources = (cu_k if same_length else None, position_ids if same_length and cu_k is None else None, padding)
+    return _DERIVED.get(sources, (n_keys, causal, batch, device, sliding_window), make)
 
 
 def attention_forward(
@@ -77,27 +161,47 @@ def attention_forward(
     fme: torch.Tensor | None = None,
     fm_context=None,
     fm_impl: str = "auto",
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    sliding_window: int | None = None,
     **kwargs,
 ):
-    """transformers attention function: ``query [B, Hq, S, D]``, ``key/value [B, Hkv, S, D]`` ->
-    ``(out [B, S, Hq, D], None)``. ``fm_impl``: the kernel without context parallelism (as
-    ``flashmask_attention``'s ``impl``); a ``fm_context`` brings its own."""
+    """transformers attention function: ``query [B, Hq, Sq, D]``, ``key/value [B, Hkv, Sk, D]`` ->
+    ``(out [B, Sq, Hq, D], None)``. ``fm_impl``: the kernel without context parallelism (as
+    ``flashmask_attention``'s ``impl``); a ``fm_context`` brings its own. With ``Sq < Sk`` (a KV
+    cache) the queries are the last ``Sq`` rows of the mask."""
     if dropout:
         raise ValueError(f"dropout: expected 0.0 (attention dropout is not supported), got {dropout}")
+    for name in ("s_aux", "softcap"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name}: this model's attention uses {name}, which fm_parallel does not implement; "
+                             "use attn_implementation='sdpa' or 'eager' for it")
+    query, key, value = autocast_inputs(query, key, value)
     if flashmask is None and fms is not None:
         flashmask = FlashMask(fms.to(query.device), fme.to(query.device), validate=False)
     n_keys = key.shape[2] if fm_context is None else fm_context.plan.num_tokens
     if flashmask is None:
-        causal = getattr(module, "is_causal", True)
-        flashmask = _default_mask(n_keys, bool(causal), query.device)
+        if fm_context is not None:  # local positions are a shard's, not a packing: the caller brings the mask
+            flashmask = _default_mask(n_keys, bool(getattr(module, "is_causal", True)), query.device)
+        else:
+            flashmask = _layer_mask(module, query, n_keys, attention_mask, position_ids, cu_seq_lens_q,
+                                    cu_seq_lens_k, sliding_window)
+            attention_mask = None  # folded in
     elif flashmask.device != query.device:
         flashmask = flashmask.to(query.device)
     if attention_mask is not None and attention_mask.dim() == 2:
         if fm_context is not None:
             raise ValueError("attention_mask: padding under context parallelism must be in the FlashMask, got a 2-D mask")
-        flashmask = _with_padding(flashmask, attention_mask)
+        flashmask = _DERIVED_PADDED.get((attention_mask, flashmask.fms, flashmask.fme), (flashmask.num_rows,),
+                                         lambda: _with_padding(flashmask, attention_mask))
     if fm_context is None:
-        out = flashmask_attention(query, key, value, mask=flashmask, scale=scaling, impl=fm_impl)
+        n_queries = query.shape[2]
+        offset = flashmask.num_rows - n_queries if n_queries < flashmask.num_rows else 0  # bottom-right under a cache
+        out = flashmask_attention(query, key, value, mask=flashmask, scale=scaling, impl=fm_impl, q_offset=offset)
     else:
         out = fm_context.attention(query, key, value, flashmask, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+_DERIVED_PADDED = _PerForward()
