@@ -1,0 +1,113 @@
+"""The FlashMask data collator: shared-prompt preference rows and prefix-LM documents packed with their
+mask, equal to each sample run alone; a DPO recipe's log-probabilities; HF Trainer runs with it."""
+
+import tempfile
+import warnings
+
+import pytest
+import torch
+
+from tests.integrations.test_transformers import tiny_llama
+
+transformers = pytest.importorskip("transformers")
+warnings.filterwarnings("ignore")
+
+
+def tokens(n, seed):
+    return torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def models():
+    from fm_parallel.integrations import transformers as fm_hf
+
+    return tiny_llama(fm_hf.register()).eval(), tiny_llama("sdpa").eval()
+
+
+def test_shared_prompt_preference_rows_give_each_pair_its_own_log_probs(models):
+    from fm_parallel.integrations.collator import FlashMaskCollator, response_logps
+
+    ours, ref = models
+    samples = [{"prompt_ids": tokens(9, 3 * i), "chosen_ids": tokens(5 + i, 3 * i + 1), "rejected_ids": tokens(7, 3 * i + 2)}
+               for i in range(5)]
+    batch = FlashMaskCollator(seq_len=64)(samples)
+    assert batch["input_ids"].shape == (3, 64) and batch["flashmask"].batch == 3  # 21-23 tokens each: 2 per row
+    with torch.no_grad():
+        got = response_logps(ours(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits, batch)
+    want = []
+    for s in samples:  # the TRL layout: prompt + response as separate rows, the prompt computed twice
+        row = []
+        for key in ("chosen_ids", "rejected_ids"):
+            ids = torch.tensor([s["prompt_ids"] + s[key]])
+            logp = torch.log_softmax(ref(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+            row.append(logp[len(s["prompt_ids"]):].sum())  # response tokens after its first
+        want.append(torch.stack(row))
+    torch.testing.assert_close(got, torch.stack(want).to(got.dtype), rtol=0, atol=1e-10)
+
+
+def test_reward_model_rows_take_any_number_of_responses(models):
+    from fm_parallel.integrations.collator import FlashMaskCollator, response_logps
+
+    ours, _ = models
+    sample = {"prompt_ids": tokens(6, 0), "response_ids": [tokens(4, 1), tokens(5, 2), tokens(3, 3), tokens(6, 4)]}
+    batch = FlashMaskCollator()([sample, sample])
+    assert batch["input_ids"].shape == (1, 48)
+    with torch.no_grad():
+        logps = response_logps(ours(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                    flashmask=batch["flashmask"], use_cache=False).logits, batch, responses=4)
+    assert logps.shape == (2, 4)
+    torch.testing.assert_close(logps[0], logps[1], rtol=0, atol=1e-12)  # two copies, kept apart by the mask
+
+
+def test_prefix_lm_documents_equal_each_document_alone(models):
+    from fm_parallel import masks
+    from fm_parallel.integrations.collator import FlashMaskCollator
+
+    ours, _ = models
+    docs = [{"input_ids": tokens(11, 7), "prefix_len": 4}, {"input_ids": tokens(8, 8)}, {"input_ids": tokens(13, 9), "prefix_len": 13}]
+    batch = FlashMaskCollator(seq_len=40, pad_token_id=1)(docs)
+    assert batch["labels"][0, :4].eq(-100).all() and batch["labels"][0, 4] != -100 and (batch["input_ids"][0, 32:] == 1).all()
+    with torch.no_grad():
+        got = ours(input_ids=batch["input_ids"], position_ids=batch["position_ids"], flashmask=batch["flashmask"]).logits
+        start = 0
+        for d in docs:
+            n, p = len(d["input_ids"]), d.get("prefix_len", 0)
+            alone = ours(torch.tensor([d["input_ids"]]), flashmask=masks.prefix_lm(n, p)).logits
+            torch.testing.assert_close(got[0, start : start + n], alone[0], rtol=0, atol=1e-12)
+            start += n
+
+
+def test_hf_trainer_trains_with_the_collator():
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments
+
+    from fm_parallel.integrations import transformers as fm_hf
+    from fm_parallel.integrations.collator import FlashMaskCollator
+
+    model = get_peft_model(tiny_llama(fm_hf.register()).float(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    data = [{"input_ids": tokens(12 + i, i), "prefix_len": i % 5} for i in range(8)]
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=2, logging_steps=1,
+                             report_to=[], save_strategy="no", use_cpu=True, remove_unused_columns=False, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=FlashMaskCollator(seq_len=64))
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(0 < x < 10 for x in losses)
+
+
+@pytest.mark.parametrize("examples, message", [
+    ([], "examples: expected a non-empty list"),
+    ([{"text": "hi"}], r"examples\[0\]: expected 'input_ids' or 'prompt_ids'"),
+    ([{"input_ids": "abc"}], r"examples\[0\]\['input_ids'\]: expected a list of token ids"),
+    ([{"input_ids": []}], "expected at least one token"),
+    ([{"input_ids": [1, 2], "prefix_len": 3}], r"prefix_len'\]: expected an int in \[0, 2\], got 3"),
+    ([{"prompt_ids": [1], "chosen_ids": [], "rejected_ids": [2]}], "expected non-empty responses"),
+    ([{"input_ids": [1, 2]}, {"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3]}], "one kind per batch"),
+    ([{"input_ids": list(range(70))}], r"70 tokens do not fit seq_len = 64"),
+])
+def test_bad_examples_are_named(examples, message):
+    from fm_parallel.integrations.collator import FlashMaskCollator
+
+    with pytest.raises(ValueError, match=message):
+        FlashMaskCollator(seq_len=64)(examples)
+    with pytest.raises(ValueError, match="seq_len: expected None or an int >= 2"):
+        FlashMaskCollator(seq_len=0)
