@@ -90,3 +90,80 @@ def test_ulysses_hf_keeps_packed_document_masks():
         assert "exception" not in res, res.get("traceback")
         assert res["got"] == pytest.approx(res["want"], rel=1e-10)
         assert abs(res["causal"] - res["want"]) > 1e-6  # without the FlashMask the documents would mix
+
+
+def _lora_llama(attention):
+    from peft import LoraConfig, get_peft_model
+
+    from tests.integrations.test_transformers import tiny_llama
+
+    return get_peft_model(tiny_llama(attention).float(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+def _packed_batch():
+    from fm_parallel import masks
+    from tests.integrations.test_transformers import _doc_labels
+
+    lengths = [20, 30, 14]
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(3))
+    labels = _doc_labels(ids, lengths)
+    return ids, labels, masks.document(lengths), int((labels != -100).sum())
+
+
+def zero_training(rank, world, stage):
+    """Three LoRA steps through ``deepspeed.initialize`` (ZeRO ``stage``) with the Ulysses plugin."""
+    import deepspeed
+    import deepspeed.comm as dcomm
+    import torch.distributed.nn.functional as dfn
+    import torch.nn.functional as F
+
+    from fm_parallel.integrations import transformers as fm_hf
+    from fm_parallel.integrations.deepspeed import register_ulysses_hf
+    from tests.integrations.test_transformers import tiny_llama
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))  # what torchrun would set
+    dcomm.init_distributed(dist_backend="gloo")
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_llama(fm_hf.register()).float()
+    mpu = register_ulysses_hf(base, sequence_parallel_size=world)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=config, mpu=mpu)
+    ids, labels, mask, count = _packed_batch()
+    shard = slice(rank * 64 // world, (rank + 1) * 64 // world)
+    positions = torch.arange(64).view(1, -1)[:, shard]
+    losses = []
+    for _ in range(3):
+        logits = engine(input_ids=ids[:, shard], position_ids=positions, flashmask=mask).logits
+        local = F.cross_entropy(logits.flatten(0, 1).float(), labels[:, shard].flatten(), ignore_index=-100, reduction="sum") / count
+        loss = dfn.all_reduce(local, group=mpu.get_sequence_parallel_group())  # the whole row's loss on every rank
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_initialize_zero_with_the_ulysses_plugin_trains_like_one_process(stage):
+    import torch.nn.functional as F
+
+    from fm_parallel.integrations import transformers as fm_hf
+
+    model = _lora_llama(fm_hf.register())  # the same initial weights and LoRA init as every rank
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids, labels, mask, count = _packed_batch()
+    want = []
+    for _ in range(3):
+        logits = model(input_ids=ids, position_ids=torch.arange(64).view(1, -1), flashmask=mask).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum") / count
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        want.append(loss.item())
+    for res in run_ranks(zero_training, 2, stage, timeout=500):
+        assert "exception" not in res, res.get("traceback")
+        assert res["losses"] == pytest.approx(want, rel=1e-5), (res, want)
+    assert want[-1] < want[0]  # it trained
