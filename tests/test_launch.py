@@ -156,7 +156,7 @@ def test_train_context_searches_with_fresh_trainer_runs(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads((tmp_path / "train_context_tiny_ring_x2.json").read_text())["rows"][0]
-    assert not row["fits"] and "expected a length divisible by" in row["reason"]
+    assert not row["fits"] and "data.seq_len: expected a multiple of 4" in row["reason"], row
 
 
 def test_gpu_verification_script_runs_its_cases_on_the_cpu(tmp_path):

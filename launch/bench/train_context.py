@@ -45,7 +45,7 @@ def trainer_command(args, n: int, out: Path) -> list[str]:
     cmd += ["--model.tile_chunk", str(args.tile_chunk), "--model.offload_layers", str(args.offload_layers),
             "--data.objective", args.objective, "--data.seq_len", str(n), "--training.steps", str(args.steps),
             "--training.loss_chunk", str(args.loss_chunk), "--parallel.cp", args.cp, "--parallel.balance", args.balance,
-            "--output.dir", str(out), "--output.checkpoint_every", "0"]
+            "--output.dir", str(out), "--output.checkpoint_every", "0", "--output.overwrite", "true"]
     if args.cp == "hybrid":
         cmd += ["--parallel.ulysses_degree", str(args.ulysses_degree)]
     return cmd
@@ -72,8 +72,10 @@ def try_length(args, n: int, work: Path) -> dict:
         else:
             text = proc.stderr + proc.stdout
             oom = "out of memory" in text.lower() or "OutOfMemoryError" in text
-            # The first rank's exception line ("[rank0]: ValueError: ..."), not torchrun's ChildFailedError.
-            errors = [m.group(0) for m in re.finditer(r"\b\w+(?:Error|Exception): .+", text) if "ChildFailedError" not in m.group(0)]
+            # The trainer's one-line user error ("error: ..."), else the first rank's exception line
+            # ("[rank0]: ValueError: ..."), not torchrun's ChildFailedError.
+            errors = [m.group(1) for m in re.finditer(r"^(?:\[rank\d+\]: )?error: (.+)$", text, re.M)]
+            errors += [m.group(0) for m in re.finditer(r"\b\w+(?:Error|Exception): .+", text) if "ChildFailedError" not in m.group(0)]
             row["reason"] = "out of memory" if oom else f"exit {proc.returncode}: {errors[0][:200] if errors else ''}"
     except subprocess.TimeoutExpired:
         row.update(fits=False, reason=f"timeout {args.timeout:.0f} s")

@@ -47,7 +47,7 @@ def one_run(shape: str, attention: str, n: int, args, work: Path) -> dict:
     cfg = load_config(SHAPES[shape] + [
         "--model.attention", attention, "--model.tile_chunk", str(args.tile_chunk), "--data.seq_len", str(n),
         "--training.steps", str(args.steps), "--training.loss_chunk", str(args.loss_chunk), "--parallel.cp", "none",
-        "--output.dir", str(out), "--output.checkpoint_every", "0"], environ={})
+        "--output.dir", str(out), "--output.checkpoint_every", "0", "--output.overwrite", "true"], environ={})
     row = {"shape": shape, "attention": attention, "seq_len": n}
     t0 = time.perf_counter()
     try:
