@@ -32,13 +32,14 @@ def pad_collate(examples):
     return {"input_ids": ids, "attention_mask": att, "labels": labels}
 
 
-def hf_trainer_losses(attention: str, collator) -> list[float]:
+def hf_trainer_losses(attention: str, collator, **extra) -> list[float]:
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer, TrainingArguments
 
     model = get_peft_model(tiny_llama(attention).float(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=3, max_steps=4, learning_rate=1e-3,
-                             logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
+                             logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+                             **extra)
     trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": d} for d in documents()], data_collator=collator)
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -55,6 +56,18 @@ def test_hf_trainer_with_the_flattening_collator_equals_sdpa_unpacked():
         assert len(got) == 4 and got == pytest.approx(want, rel=1e-5, abs=1e-6), (flash_kwargs, got, want)
 
 
+def test_hf_trainer_bf16_mixed_precision_trains_like_sdpa():
+    """``bf16=True`` with fp32 weights: q, k, v reach attention in mixed dtypes under autocast; the backend
+    computes in bf16 as sdpa does (this crashed with a dtype error before)."""
+    from transformers import DataCollatorWithFlattening
+
+    from fm_parallel.integrations import transformers as fm_hf
+
+    got = hf_trainer_losses(fm_hf.register(), DataCollatorWithFlattening(), bf16=True)
+    want = hf_trainer_losses("sdpa", pad_collate, bf16=True)
+    assert len(got) == 4 and got == pytest.approx(want, abs=2e-3), (got, want)  # bf16 rounding, not a mask difference
+
+
 def tiny_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -64,14 +77,14 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t2")
 
 
-def trl_losses(attention: str, padding_free: bool) -> list[float]:
+def trl_losses(attention: str, padding_free: bool, bf16: bool = False) -> list[float]:
     from datasets import Dataset
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
     args = SFTConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=3, max_steps=3, learning_rate=1e-3,
                      logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, padding_free=padding_free,
-                     max_length=None, bf16=False, disable_tqdm=True)
+                     max_length=None, bf16=bf16, disable_tqdm=True)
     trainer = SFTTrainer(model=tiny_llama(attention).float(), args=args, processing_class=tiny_tokenizer(),
                          train_dataset=Dataset.from_list([{"input_ids": d} for d in documents()]),
                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
@@ -79,9 +92,11 @@ def trl_losses(attention: str, padding_free: bool) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def test_trl_sft_trainer_padding_free_equals_sdpa_unpacked():
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_trl_sft_trainer_padding_free_equals_sdpa_unpacked(bf16):
     pytest.importorskip("trl")
     from fm_parallel.integrations import transformers as fm_hf
 
-    got, want = trl_losses(fm_hf.register(), padding_free=True), trl_losses("sdpa", padding_free=False)
-    assert len(got) == 3 and got == pytest.approx(want, rel=1e-5, abs=1e-6), (got, want)
+    got, want = trl_losses(fm_hf.register(), True, bf16), trl_losses("sdpa", False, bf16)
+    tolerance = dict(abs=2e-3) if bf16 else dict(rel=1e-5, abs=1e-6)  # bf16 rounding differs by kernel
+    assert len(got) == 3 and got == pytest.approx(want, **tolerance), (got, want)
