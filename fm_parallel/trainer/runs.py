@@ -22,7 +22,7 @@ from pathlib import Path
 from fm_parallel.trainer.config import Config, ConfigError
 
 __all__ = ["RUN_FILE", "check_run_dir", "clear_run_dir", "config_differences", "write_checksums",
-           "verify_checkpoint", "latest_checkpoint", "CheckpointError"]
+           "verify_checkpoint", "latest_checkpoint", "CheckpointError", "StopRequested"]
 
 RUN_FILE = "run.json"
 # What a run writes at the top of its directory (older runs wrote config.json).
@@ -35,6 +35,10 @@ RESUME_KEYS = {
     "training": ("seed", "grad_accum"),
 }
 CHECKSUMS = "checksums.json"
+
+
+class StopRequested(Exception):
+    """A stop (SIGTERM / Ctrl-C) arrived during a long loop that has nothing to save."""
 
 
 class CheckpointError(ConfigError):
@@ -107,7 +111,7 @@ def _sha256(path: Path, stop=None) -> str:
         while chunk := f.read(1 << 22):
             h.update(chunk)
             if stop is not None and stop():
-                raise KeyboardInterrupt("stop requested while hashing a checkpoint")
+                raise StopRequested(f"stop requested while hashing {path}")
     return h.hexdigest()
 
 

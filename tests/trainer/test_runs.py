@@ -184,3 +184,12 @@ def test_the_peft_adapter_reproduces_the_trained_model(finished_run, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fm_parallel.trainer.export", str(tmp_path / "nowhere")], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "error: run_dir: expected a trainer run directory" in proc.stderr
+
+
+def test_a_stop_request_ends_checkpoint_verification(finished_run):
+    from fm_parallel.trainer import runs
+
+    path = runs.latest_checkpoint(finished_run)
+    runs.verify_checkpoint(path)  # intact
+    with pytest.raises(runs.StopRequested):
+        runs.verify_checkpoint(path, stop=lambda: True)  # polled while hashing: a SIGTERM is honoured
