@@ -17,21 +17,41 @@ import torch
 from fm_parallel.masks.flashmask import FlashMask
 from fm_parallel.reference import DEFAULT_BLOCK, _blockwise_backward, _blockwise_forward, _plan
 
-__all__ = ["forward", "backward", "default_impl"]
+__all__ = ["forward", "backward", "default_impl", "resolve", "LOCAL_IMPLS"]
+
+LOCAL_IMPLS = ("torch", "triton", "cute")
 
 
 def default_impl(device: torch.device) -> str:
     """Triton on CUDA (and under the Triton interpreter when FM_LOCAL_IMPL=triton), else PyTorch."""
     forced = os.environ.get("FM_LOCAL_IMPL")
     if forced:
-        return forced
+        return resolve(forced, device)
     return "triton" if device.type == "cuda" else "torch"
+
+
+def resolve(impl: str | None, device: torch.device) -> str:
+    """The local kernel a distributed wrapper runs: ``None`` / ``"auto"`` -> :func:`default_impl`; a
+    known name is kept; anything else raises (it once ran the PyTorch path silently, on a GPU too)."""
+    if impl is None or impl == "auto":
+        return default_impl(device)
+    if impl not in LOCAL_IMPLS:
+        raise ValueError(f"impl: expected one of {('auto',) + LOCAL_IMPLS} or None, got {impl!r}")
+    if impl in ("triton", "cute") and device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+        raise ValueError(f"impl: {impl!r} needs CUDA tensors, got device {device}")
+    return impl
+
+
+def _known(impl: str) -> None:
+    if impl not in LOCAL_IMPLS:
+        raise ValueError(f"impl: expected one of {LOCAL_IMPLS} (resolve 'auto' first), got {impl!r}")
 
 
 def forward(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, impl: str = "torch",
             q_offset: int | None = None):
     """``q_offset``: when ``positions`` is ``q_offset + arange(Nq)`` (a contiguous shard), the GPU
     backends build their launch plans for consecutive rows and cache them on ``mask``."""
+    _known(impl)
     if impl == "cute":
         from fm_parallel.kernels.cute_flashmask import cute_fwd
 
@@ -47,6 +67,7 @@ def forward(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, imp
 
 def backward(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, impl: str = "torch", dlse=None,
              q_offset: int | None = None):
+    _known(impl)
     if impl == "cute":
         from fm_parallel.kernels.cute_flashmask import cute_bwd
 

@@ -198,5 +198,5 @@ def ring_attention(
     if stats is not None:
         stats.visible_pairs += int(table[rank].sum())
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    ring = _Ring(mask, plan, group, scale, impl or launchers.default_impl(q.device), table, stats)
+    ring = _Ring(mask, plan, group, scale, launchers.resolve(impl, q.device), table, stats)
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring)
