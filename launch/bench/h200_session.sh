@@ -14,6 +14,8 @@
 #   CHURN=16384 NS="16384 65536" bash launch/bench/h200_session.sh final   # carry [".fa4one"]: verify cute
 #                                                   # (FA4 causal / varlen paths included), then cute, its
 #                                                   # block-sparse path, FA4, Flex-FLASH at NS (+ churn)
+#   bash launch/bench/h200_session.sh hf       # carry [".fa4one"]: the Hugging Face / trainer edges through
+#                                              # the CUDA kernels, auto (CuTe) then Triton (verify_hf_gpu.py)
 #   NS="16384 65536" bash launch/bench/h200_session.sh costs   # carry [".fa4one"]: partial vs full tile cost
 #                                                   # (cute_tile_costs.py), then cute / FA4 / Flex-FLASH at NS
 #
@@ -29,8 +31,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 stage=${1:-}
 shift || true
-case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final) ;; *)
-  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]" >&2; exit 2 ;; esac
+case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf) ;; *)
+  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf" >&2; exit 2 ;; esac
 if [ "$stage" = pack ]; then  # on this machine, not the GPU one
   tmp=$(mktemp -d); tar xJf .fa4big/libs_cu13.tar.xz -C "$tmp"
   for w in .fa4/*.whl; do python3 -m zipfile -e "$w" "$tmp"; done
@@ -89,6 +91,13 @@ case "$stage" in
       --impls cute cute_sparse fa4 flex_flash --quick --extra-dims-at 0 --long ${CHURN:+--churn $CHURN} \
       --out "$OUT" --tag "kernel_h200_cute_final_${NS_TAG:-16k_64k}" 2>&1 | grep -v "UserWarning\|exe_args" \
       | tee "$OUT/kernel_final.log" ;;
+  hf)
+    fa4
+    for impl in auto triton; do
+      timeout 280 python3 launch/bench/verify_hf_gpu.py --impl $impl --out "$OUT/verify_hf_gpu_h200_$impl.json" 2>&1 \
+        | grep -E "^(PASS|FAIL|[0-9]+/)" | tee -a "$OUT/verify_hf.log"
+    done
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_attention.py -k top_left 2>&1 | tail -3 | tee -a "$OUT/verify_hf.log" ;;
   tune)
     python3 launch/bench/tune_triton.py --d 64 128 256 --n 16384 --out "$OUT" --tag tune_triton_all 2>&1 | tee "$OUT/tune.log" ;;
 esac
