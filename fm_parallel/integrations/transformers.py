@@ -45,10 +45,24 @@ NAME = "fm_parallel"
 
 
 def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs):
-    """Mask function for our name: pass on the 2-D padding mask ``[B, S]`` (or None), never a 4-D one."""
-    if attention_mask is None or bool(attention_mask.all()):
+    """Mask function for our name: the 2-D key mask ``[B, kv_length]`` (True = a real key), never a
+    4-D one; None when every key is real and the queries are the last rows of the keys (no cache, or a
+    dynamic cache). Otherwise (padding, or a static cache whose unfilled slots follow the queries) the
+    returned mask also carries where the queries sit among the keys (``_fm_rows_offset``)."""
+    rows_offset = int(q_offset) - int(kv_offset)
+    bottom_right = rows_offset == kv_length - q_length
+    if attention_mask is not None:
+        attention_mask = attention_mask[:, kv_offset : kv_offset + kv_length]
+    if (attention_mask is None or bool(attention_mask.all())) and bottom_right and (
+            attention_mask is None or attention_mask.shape[-1] == kv_length):
         return None
-    return attention_mask.to(torch.bool)
+    keys = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
+    if attention_mask is not None:
+        keys = keys.to(attention_mask.device)
+        keys[:, : attention_mask.shape[-1]] = attention_mask.to(torch.bool)
+    keys[:, rows_offset + q_length :] = False  # static-cache slots not written yet: no query may see them
+    keys._fm_rows_offset = rows_offset
+    return keys
 
 
 def register(name: str = NAME) -> str:
@@ -178,6 +192,14 @@ def attention_forward(
             raise ValueError(f"{name}: this model's attention uses {name}, which fm_parallel does not implement; "
                              "use attn_implementation='sdpa' or 'eager' for it")
     query, key, value = autocast_inputs(query, key, value)
+    attention_mask_in = attention_mask
+    if attention_mask is not None and attention_mask.dim() == 4:
+        if flashmask is not None or fms is not None or fm_context is not None:
+            raise ValueError("attention_mask: got a 4-D mask and a FlashMask (or a context); pass one of them")
+        # A 4-D mask the caller built: compressed exactly to a FlashMask, or run densely (logged once).
+        dense = attention_mask[:, :, :, : key.shape[2]]
+        out = flashmask_attention(query, key, value, attn_mask=dense, scale=scaling, impl=fm_impl)
+        return out.transpose(1, 2).contiguous(), None
     if flashmask is None and fms is not None:
         flashmask = FlashMask(fms.to(query.device), fme.to(query.device), validate=False)
     n_keys = key.shape[2] if fm_context is None else fm_context.plan.num_tokens
@@ -197,7 +219,9 @@ def attention_forward(
                                          lambda: _with_padding(flashmask, attention_mask))
     if fm_context is None:
         n_queries = query.shape[2]
-        offset = flashmask.num_rows - n_queries if n_queries < flashmask.num_rows else 0  # bottom-right under a cache
+        offset = getattr(attention_mask_in, "_fm_rows_offset", None)  # where transformers says the queries sit
+        if offset is None:  # bottom-right under a (dynamic) cache
+            offset = flashmask.num_rows - n_queries if n_queries < flashmask.num_rows else 0
         out = flashmask_attention(query, key, value, mask=flashmask, scale=scaling, impl=fm_impl, q_offset=offset)
     else:
         out = fm_context.attention(query, key, value, flashmask, scale=scaling)

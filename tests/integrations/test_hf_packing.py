@@ -154,3 +154,33 @@ def test_position_derived_documents_match_the_builder():
         got = _documents_from_positions(positions, 2, 16, causal, torch.device("cpu"))
         want = masks.document(lengths, causal=causal)
         assert torch.equal(got.to_dense()[0], want.to_dense()[0]) and torch.equal(got.to_dense()[1], want.to_dense()[0])
+
+
+def test_greedy_generate_with_a_static_cache_returns_the_tokens_of_sdpa(models):
+    """A static cache holds slots not written yet after the queries: the queries sit where transformers
+    says (its q_offset), not at the end of the keys, and the empty slots are seen by no query."""
+    ours, ref = models
+    ids = torch.randint(0, 128, (3, 12), generator=torch.Generator().manual_seed(7))
+    att = torch.ones(3, 12, dtype=torch.long)
+    att[2, :5] = 0
+    kwargs = dict(attention_mask=att, max_new_tokens=10, do_sample=False, pad_token_id=0, cache_implementation="static")
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids, **kwargs), ref.generate(ids, **kwargs))
+
+
+def test_a_4d_attention_mask_from_the_caller_is_honoured(models):
+    """A 4-D mask the user builds reaches the attention function untouched: it is used (compressed to a
+    FlashMask), never dropped for a causal one."""
+    from fm_parallel import masks
+
+    ours, ref = models
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(8))
+    dense = masks.union(masks.document([10, 20]), masks.prefix_lm(30, 6)).to_dense()  # [1, 1, 30, 30] bool
+    with torch.no_grad():
+        got = ours(ids, attention_mask=dense).logits
+        want = ref(ids, attention_mask=dense).logits
+        causal = ours(ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert (got - causal).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="a 4-D mask and a FlashMask"):
+        ours(ids, attention_mask=dense, flashmask=masks.causal(30))
