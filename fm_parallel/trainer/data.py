@@ -97,7 +97,7 @@ def _json_type(value) -> str:
 def _record(path: str, n: int, raw: bytes, keys: tuple[str, ...]) -> dict | None:
     """The record of line ``n`` (None for a blank line), or a DataError naming ``path:n``."""
     try:
-        line = raw.decode("utf-8")
+        line = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # a byte-order mark on line 1 is not data
     except UnicodeDecodeError as e:
         raise DataError(f"{path}:{n}: expected UTF-8 text, got byte {raw[e.start]:#04x} at column {e.start + 1}") from None
     if not line.strip():
@@ -113,6 +113,12 @@ def _record(path: str, n: int, raw: bytes, keys: tuple[str, ...]) -> dict | None
         got = {k: _json_type(record[k]) for k in missing if k in record}
         raise DataError(f"{path}:{n}: expected string fields {list(keys)}, missing or not a string: {missing}"
                         + (f" (got {got})" if got else ""))
+    for k in keys:
+        try:
+            record[k].encode("utf-8")
+        except UnicodeEncodeError as e:  # a JSON escape like "\ud800": no tokenizer can encode it
+            raise DataError(f"{path}:{n}: field {k!r} holds an unpaired surrogate {record[k][e.start]!r} at character "
+                            f"{e.start}, not valid Unicode") from None
     return record
 
 

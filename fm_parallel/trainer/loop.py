@@ -515,7 +515,7 @@ def _finish(cfg: Config, out_dir: Path, rank: int, metrics_path: Path) -> dict:
     return summary
 
 
-USER_ERRORS = (ConfigError, DataError, ValueError, FileNotFoundError, RankFailure)
+USER_ERRORS = (ConfigError, DataError, ValueError, FileNotFoundError, PermissionError, RankFailure)
 
 
 def main(argv: list[str] | None = None) -> None:

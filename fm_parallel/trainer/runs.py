@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -74,6 +75,9 @@ def check_run_dir(cfg: Config) -> None:
     out = Path(cfg.output.dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output.dir: expected a directory, got the file {out}")
+    existing = next((p for p in (out, *out.parents) if p.exists()), None)
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output.dir: {existing} is not writable, so {out} cannot hold a run")
     entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if cfg.output.resume:
         saved = _saved_config(out)
@@ -137,6 +141,8 @@ def verify_checkpoint(path: Path, stop=None) -> None:
         table = json.loads(listing.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"--resume: {listing} is damaged ({e})") from None
+    if not isinstance(table, dict) or not all(isinstance(v, dict) and {"sha256", "bytes"} <= set(v) for v in table.values()):
+        raise CheckpointError(f"--resume: {listing} is damaged (expected {{file: {{sha256, bytes}}}})")
     present = {str(p.relative_to(path)) for p in _files(path)}
     missing = sorted(set(table) - present)
     if missing:

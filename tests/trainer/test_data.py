@@ -73,6 +73,8 @@ def test_dpo_samples_are_never_cut(tmp_path):
     (b'{"text": 5}\n', r":1: expected string fields \['text'\], missing or not a string: \['text'\] \(got \{'text': 'a number'\}\)"),
     (b'{"body": "a"}\n', r":1: expected string fields \['text'\], missing"),
     (b'\n\n', r"expected at least one record, got none"),
+    (b'{"text": "ok"}\n{"text": "a\\ud800b"}\n', r":2: field 'text' holds an unpaired surrogate"),
+    (b'{"text": "ok"}\n\xef\xbb\xbf{"text": "b"}\n', r":2: expected one JSON object per line, got invalid JSON"),
 ])
 def test_bad_lines_are_named_by_file_and_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
@@ -80,6 +82,14 @@ def test_bad_lines_are_named_by_file_and_line(tmp_path, content, message):
     with pytest.raises(DataError, match=message) as info:
         validate_jsonl(str(path), "sft")
     assert str(path) in str(info.value)
+
+
+def test_a_byte_order_mark_on_the_first_line_is_not_data(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"text": "hello"}\n{"text": "world"}\n')  # as some Windows tools write
+    assert validate_jsonl(str(path), "sft") == 2
+    row = next(sft_rows(64, TOK, str(path)))
+    assert pass_tokens([row]) == [[TOK.bos_id] + list(b"hello"), [TOK.bos_id] + list(b"world")]
 
 
 def test_validation_reaches_the_last_line_fast(tmp_path):

@@ -193,3 +193,17 @@ def test_a_stop_request_ends_checkpoint_verification(finished_run):
     runs.verify_checkpoint(path)  # intact
     with pytest.raises(runs.StopRequested):
         runs.verify_checkpoint(path, stop=lambda: True)  # polled while hashing: a SIGTERM is honoured
+
+
+@pytest.mark.parametrize("listing", ["[]", '{"a.pt": "abc"}', "{not json", '{"missing.pt": {"sha256": "0", "bytes": 1}}'])
+def test_a_damaged_checksum_listing_is_refused(tmp_path, listing):
+    from fm_parallel.trainer import runs
+
+    ckpt = tmp_path / "step_000000"
+    ckpt.mkdir()
+    (ckpt / "a.pt").write_bytes(b"weights")
+    (ckpt / runs.CHECKSUMS).write_text(listing)
+    with pytest.raises(runs.CheckpointError, match="damaged|missing"):
+        runs.verify_checkpoint(ckpt)
+    runs.write_checksums(ckpt)
+    runs.verify_checkpoint(ckpt)  # a rewritten listing verifies
