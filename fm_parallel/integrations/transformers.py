@@ -210,8 +210,9 @@ def attention_forward(
             flashmask = _layer_mask(module, query, n_keys, attention_mask, position_ids, cu_seq_lens_q,
                                     cu_seq_lens_k, sliding_window)
             attention_mask = None  # folded in
-    elif flashmask.device != query.device:
-        flashmask = flashmask.to(query.device)
+    elif flashmask.device != query.device:  # e.g. a collator's CPU mask that the HF Trainer does not move
+        mask_in = flashmask
+        flashmask = _MOVED.get((mask_in.fms, mask_in.fme), (query.device,), lambda: mask_in.to(query.device))
     if attention_mask is not None and attention_mask.dim() == 2:
         if fm_context is not None:
             raise ValueError("attention_mask: padding under context parallelism must be in the FlashMask, got a 2-D mask")
@@ -229,3 +230,4 @@ def attention_forward(
 
 
 _DERIVED_PADDED = _PerForward()
+_MOVED = _PerForward()  # one move per forward, not per layer: kernel plans cached on the moved mask are reused

@@ -6,6 +6,7 @@ tests/trainer check on the CPU, run through the CUDA kernels (``impl`` auto: CuT
 
 Cases (bf16 Llama, head dim 64; tolerances against what ``sdpa`` in the same dtype gets):
   packed_cu_seq_lens / packed_position_ids: DataCollatorWithFlattening batches vs each document alone;
+  collator_dpo: shared-prompt DPO rows (FlashMaskCollator) vs the TRL layout's log-probs;
   decode: KV-cache decode steps vs the full forward; generate: greedy tokens vs sdpa (float32 model
   under bf16 autocast, where both compute in bf16); autocast: an fp32 model under bf16 autocast trains,
   loss vs sdpa; is_causal_top_left: Nq > Nk and Nq < Nk vs SDPA; digest: a GPU mask carries the
@@ -60,6 +61,39 @@ def case_packed(device, name, impl, flash_kwargs):
         exact = torch.cat([ref64(torch.tensor([d])).logits[0] for d in docs])
         sdpa = torch.cat([ref(torch.tensor([d], device=device)).logits[0] for d in docs])
     err, base = rel(got.cpu(), exact), rel(sdpa.cpu(), exact)
+    return {"rel_err": err, "sdpa_rel_err": base, "ok": err <= 2 * base + 1e-3}
+
+
+def case_collator_dpo(device, name, impl):
+    """Shared-prompt DPO rows from FlashMaskCollator (mask made on the CPU, moved once per forward):
+    per-response log-probs vs the TRL layout in float64 on the CPU, within 2x of sdpa's bf16 error."""
+    from fm_parallel.integrations.collator import FlashMaskCollator, response_logps
+
+    ours, ref = llama(name, torch.bfloat16, device), llama("sdpa", torch.bfloat16, device)
+    ref64 = llama("sdpa", torch.float64, "cpu")
+    g = torch.Generator().manual_seed(5)
+    samples = [{"prompt_ids": torch.randint(0, 512, (300,), generator=g).tolist(),
+                "chosen_ids": torch.randint(0, 512, (200 + 10 * i,), generator=g).tolist(),
+                "rejected_ids": torch.randint(0, 512, (150,), generator=g).tolist()} for i in range(6)]
+    batch = FlashMaskCollator(seq_len=2048)(samples)
+    on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def layout_logps(model, dev):
+        rows = []
+        for smp in samples:
+            pair = []
+            for key in ("chosen_ids", "rejected_ids"):
+                ids = torch.tensor([smp["prompt_ids"] + smp[key]], device=dev)
+                logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+                pair.append(logp[len(smp["prompt_ids"]):].sum())
+            rows.append(torch.stack(pair))
+        return torch.stack(rows).cpu()
+
+    with torch.no_grad():
+        got = response_logps(ours(input_ids=on_device["input_ids"], position_ids=on_device["position_ids"],
+                                  flashmask=batch["flashmask"], use_cache=False, fm_impl=impl).logits.double(), on_device).cpu()
+        exact, sdpa = layout_logps(ref64, "cpu"), layout_logps(ref, device)
+    err, base = rel(got, exact), rel(sdpa, exact)
     return {"rel_err": err, "sdpa_rel_err": base, "ok": err <= 2 * base + 1e-3}
 
 
@@ -173,6 +207,7 @@ def main() -> None:
     cases = {
         "packed_cu_seq_lens": lambda: case_packed(device, name, args.impl, True),
         "packed_position_ids": lambda: case_packed(device, name, args.impl, False),
+        "collator_dpo": lambda: case_collator_dpo(device, name, args.impl),
         "decode": lambda: case_decode(device, name, args.impl),
         "generate": lambda: case_generate(device, name, args.impl),
         "autocast": lambda: case_autocast(device, name, args.impl),
