@@ -33,13 +33,13 @@ class ConfigError(ValueError):
 
 
 def _key(default, help: str, *, choices: tuple | None = None, low=None, high=None, low_open: bool = False,
-         special: tuple = ()):
+         special: tuple = (), choices_text: str | None = None):
     """A config key: its default, its meaning for ``--help``, and what values it accepts.
 
     ``low`` / ``high``: inclusive range (``low_open``: strictly above ``low``); ``special``: values
     accepted outside the range (``-1`` meaning "all" or "never")."""
     return field(default=default, metadata={"help": help, "choices": choices, "low": low, "high": high,
-                                            "low_open": low_open, "special": special})
+                                            "low_open": low_open, "special": special, "choices_text": choices_text})
 
 
 @dataclass
@@ -65,7 +65,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    objective: str = _key("sft", "sft (packed documents) | dpo (packed preference samples)", choices=("sft", "dpo"))
+    objective: str = _key("sft", "sft (packed documents) | dpo (packed preference samples)", choices=("sft", "dpo"),
+                          choices_text="'sft' or 'dpo'")
     path: str = _key("", 'JSONL file ({"text"} for sft, {"prompt","chosen","rejected"} for dpo); empty: the stdlib corpus')
     tokenizer: str = _key("", "a local Hugging Face tokenizer folder; empty: bytes")
     seq_len: int = _key(2048, "tokens per packed row", low=2, high=2**31 - 1)
@@ -90,7 +91,8 @@ class ParallelConfig:
     balance: str = _key("zigzag", "how a row is sharded over CP ranks: contiguous | zigzag | mask",
                         choices=("contiguous", "zigzag", "mask"))
     impl: str = _key("", "attention kernel (auto | cute | triton | torch), with or without CP; empty: automatic",
-                     choices=("", "auto", "cute", "triton", "torch"))
+                     choices=("", "auto", "cute", "triton", "torch"),
+                     choices_text="cute, triton, torch or empty (automatic; 'auto' is the same)")
     timeout_s: float = _key(600.0, "seconds a collective may wait for a peer before the run fails (a dead or stuck rank)",
                             low=0.0, low_open=True)
 
@@ -163,8 +165,9 @@ def _coerce(name: str, value, kind: type, from_text: bool):
 
 def _check_range(name: str, value, meta: dict) -> None:
     if meta["choices"] is not None and value not in meta["choices"]:
-        shown = " | ".join(repr(c) if c == "" else c for c in meta["choices"])
-        raise ConfigError(f"{name}: expected one of {shown}, got {value!r}")
+        names = [str(c) for c in meta["choices"]]
+        shown = meta["choices_text"] or (", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0])
+        raise ConfigError(f"{name}: expected {shown}, got {value!r}")
     if value in meta["special"]:
         return
     low, high = meta["low"], meta["high"]
@@ -203,12 +206,8 @@ def _check_relations(cfg: Config) -> None:
             raise ConfigError(f"model.kv_heads: expected a divisor of model.heads = {m.heads}, got {m.kv_heads}")
         if m.hidden_size % m.heads:
             raise ConfigError(f"model.hidden_size: expected a multiple of model.heads = {m.heads}, got {m.hidden_size}")
-        if m.offload_layers > m.layers:
-            raise ConfigError(f"model.offload_layers: expected at most model.layers = {m.layers} (or -1), got {m.offload_layers}")
     if not [t for t in m.lora_targets.split(",") if t.strip()]:
         raise ConfigError(f"model.lora_targets: expected at least one module name, got {m.lora_targets!r}")
-    if m.offload_layers and not m.activation_checkpointing:
-        raise ConfigError(f"model.offload_layers: expected 0 without activation checkpointing, got {m.offload_layers}")
     if p.cp != "hybrid" and p.ulysses_degree != 1:
         raise ConfigError(f"parallel.ulysses_degree: expected 1 unless parallel.cp is hybrid, got {p.ulysses_degree} with cp {p.cp}")
     if not cfg.output.dir.strip():

@@ -115,8 +115,10 @@ def _build_model(cfg: Config, vocab_size: int, device, base_dir: Path | None = N
     if cfg.model.tile_chunk:
         tile_decoder_layers(base, cfg.model.tile_chunk)  # before checkpointing: the checkpoint wraps the tiled layer
     policy = None
-    if cfg.model.activation_checkpointing:
+    if cfg.model.activation_checkpointing:  # offload_layers is checked against the model's layer count there
         policy = checkpoint_layers(base, cfg.model.offload_layers)
+    elif cfg.model.offload_layers:
+        raise ConfigError(f"model.offload_layers: expected 0 without activation checkpointing, got {cfg.model.offload_layers}")
     lora = LoraConfig(r=cfg.model.lora_rank, lora_alpha=cfg.model.lora_alpha,
                       target_modules=[t.strip() for t in cfg.model.lora_targets.split(",") if t.strip()])
     model = get_peft_model(base, lora)

@@ -31,8 +31,8 @@ def test_config_layers_file_environment_and_command_line(tmp_path):
     cfg = load_config(["--config", str(f), "--training.lr", "0.25", "--parallel.cp=ulysses"], environ={"FM_DATA__SEQ_LEN": "512"})
     assert (cfg.training.steps, cfg.training.lr, cfg.data.seq_len, cfg.parallel.cp) == (7, 0.25, 512, "ulysses")
     for argv, message in ((["--training.nope", "1"], "unknown key training.nope"), (["--training.steps", "x"], "training.steps: expected int"),
-                          (["--parallel.cp", "star"], "parallel.cp: expected one of ring"), (["--data.objective", "rl"], "data.objective"),
-                          (["--parallel.impl", "fa3"], "parallel.impl: expected one of '' | auto | cute | triton | torch")):
+                          (["--parallel.cp", "star"], "parallel.cp: expected ring"), (["--data.objective", "rl"], "data.objective"),
+                          (["--parallel.impl", "fa3"], "parallel.impl: expected cute, triton, torch or empty")):
         with pytest.raises(ValueError, match=message):
             load_config(argv, environ={})
 
