@@ -82,7 +82,8 @@ def check_run_dir(cfg: Config) -> None:
     if cfg.output.resume:
         saved = _saved_config(out)
         if saved is None:
-            raise ConfigError(f"--resume: expected a run in output.dir {out}, found {'no directory' if not out.is_dir() else 'no run.json'}")
+            raise ConfigError(f"--resume: expected a complete checkpoint under {out / 'checkpoints'}, found none "
+                              f"({'no directory' if not out.is_dir() else 'no run in ' + str(out)})")
         diffs = config_differences(saved, cfg)
         if diffs:
             raise ConfigError(f"--resume: the run in {out} was made with other settings; refusing to mix them: "

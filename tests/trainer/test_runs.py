@@ -82,7 +82,7 @@ def test_a_directory_of_another_run_is_refused_unless_resuming_or_overwriting(fi
     # Resuming with another model, adapter or row length names every difference.
     proc = trainer(*TINY, "--output.dir", str(finished_run), "--resume", "--model.lora_rank", "8", "--data.seq_len", "64")
     assert_user_error(proc, "model.lora_rank: 4 -> 8; data.seq_len: 128 -> 64")
-    assert_user_error(trainer(*TINY, "--output.dir", str(tmp_path / "empty"), "--resume"), "expected a run in output.dir")
+    assert_user_error(trainer(*TINY, "--output.dir", str(tmp_path / "empty"), "--resume"), "expected a complete checkpoint under")
 
 
 def test_overwrite_replaces_the_earlier_run(finished_run, tmp_path):
