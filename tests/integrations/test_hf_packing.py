@@ -184,3 +184,36 @@ def test_a_4d_attention_mask_from_the_caller_is_honoured(models):
     assert (got - causal).abs().max() > 1e-3
     with pytest.raises(ValueError, match="a 4-D mask and a FlashMask"):
         ours(ids, attention_mask=dense, flashmask=masks.causal(30))
+
+
+def test_a_sliding_window_model_matches_sdpa_in_forward_and_generate():
+    """Mistral-style configs pass ``sliding_window`` to the attention function: it is intersected into the
+    mask, never ignored (ignoring it would attend past the window, silently)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from fm_parallel.integrations import transformers as fm_hf
+
+    def mistral(attention):
+        cfg = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, max_position_embeddings=256, sliding_window=8, attn_implementation=attention)
+        torch.manual_seed(0)
+        return MistralForCausalLM(cfg).double().eval()
+
+    ours, ref = mistral(fm_hf.register()), mistral("sdpa")
+    ids = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(1))
+    att = torch.ones(2, 30, dtype=torch.long)
+    att[1, :5] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, ref(ids).logits, rtol=0, atol=1e-12)
+        kwargs = dict(attention_mask=att, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert torch.equal(ours.generate(ids, **kwargs), ref.generate(ids, **kwargs))
+
+
+@pytest.mark.parametrize("feature", ["s_aux", "softcap"])
+def test_attention_features_we_do_not_implement_are_refused(feature):
+    from fm_parallel.integrations.transformers import attention_forward
+
+    q = k = v = torch.randn(1, 2, 8, 16)
+    value = torch.zeros(2) if feature == "s_aux" else 30.0
+    with pytest.raises(ValueError, match=f"{feature}: this model's attention uses {feature}"):
+        attention_forward(torch.nn.Module(), q, k, v, None, **{feature: value})
