@@ -184,7 +184,8 @@ def attention_forward(
     """transformers attention function: ``query [B, Hq, Sq, D]``, ``key/value [B, Hkv, Sk, D]`` ->
     ``(out [B, Sq, Hq, D], None)``. ``fm_impl``: the kernel without context parallelism (as
     ``flashmask_attention``'s ``impl``); a ``fm_context`` brings its own. With ``Sq < Sk`` (a KV
-    cache) the queries are the last ``Sq`` rows of the mask."""
+    cache) the queries are the last ``Sq`` rows of the mask, or where the mask function placed them
+    (a static cache); a caller's 4-D ``attention_mask`` is used as SDPA would use it."""
     if dropout:
         raise ValueError(f"dropout: expected 0.0 (attention dropout is not supported), got {dropout}")
     for name in ("s_aux", "softcap"):
