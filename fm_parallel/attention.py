@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import logging
 import math
 import os
@@ -126,6 +127,7 @@ _LOADED: dict = {}  # backend name -> module, filled by _resolve_impl so the hot
 # there (docs/benchmarks/README.md); it is skipped when a reproducible backward is required.
 AUTO_ORDER_CUDA = ("cute", "triton")
 _NONDETERMINISTIC = {"cute"}  # backends whose backward adds dQ with atomics
+_PACKAGES = {"cute": "flash_attn", "triton": "triton"}  # the optional package each GPU backend needs
 
 
 def _load(impl: str):
@@ -167,7 +169,12 @@ def _resolve_impl(impl: str, device: torch.device, deterministic: bool = False) 
                 try:
                     if _supports(_load(name), device):
                         return name
-                except ValueError:
+                except ValueError as e:
+                    # Not installed: auto skips it by design. Installed but broken (a missing library of
+                    # FA4's, say): say so once, or auto would fall back to a slower backend silently.
+                    if importlib.util.find_spec(_PACKAGES[name]) is not None:
+                        _log_once(f"broken:{name}", f"fm_parallel: impl='auto' skips {name!r}, which is installed but "
+                                                    f"does not load ({e}); using the next backend")
                     continue
         return "torch"
     return impl

@@ -146,6 +146,30 @@ def test_auto_on_cuda_prefers_a_cute_backend_that_supports_the_device(monkeypatc
         attention._resolve_impl("cute", cuda)
 
 
+def test_auto_says_once_when_an_installed_backend_does_not_load(monkeypatch, caplog):
+    """FA4 installed but missing a library of its own made auto fall back to Triton silently on the H200:
+    not installed is skipped quietly (by design), installed-but-broken is logged once."""
+    import importlib.util
+    import types
+
+    from fm_parallel import attention
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(attention, "_LOADED", {"triton": types.SimpleNamespace()})
+    monkeypatch.setitem(attention._BACKENDS, "cute", "fm_parallel_no_such_module")
+    monkeypatch.setattr(attention, "_logged", set())
+    real_find_spec = importlib.util.find_spec
+    for installed in (False, True):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a, _i=installed: object() if name == "flash_attn" and _i else real_find_spec(name, *a))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="fm_parallel"):
+            assert attention._resolve_impl("auto", cuda) == "triton"
+            assert attention._resolve_impl("auto", cuda) == "triton"
+        said = [r.message for r in caplog.records if "skips 'cute'" in r.message]
+        assert len(said) == (1 if installed else 0), said
+
+
 def _bad_inputs():
     q, k, v = (torch.randn(1, 4, 16, 8) for _ in range(3))
     k2, v2 = torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)

@@ -171,7 +171,7 @@ def response_logps(logits: torch.Tensor, batch: dict, responses: int = 2) -> tor
     logp = torch.log_softmax(logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)), -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     scored = targets >= 0
     per_row = int(smp.max()) + 1 if smp.numel() else 0
-    slot = (smp[:, 1:] + per_row * torch.arange(labels.shape[0]).view(-1, 1)) * responses + (seg[:, 1:] - 1)
+    slot = (smp[:, 1:] + per_row * torch.arange(labels.shape[0], device=smp.device).view(-1, 1)) * responses + (seg[:, 1:] - 1)
     total = per_row * labels.shape[0] * responses
     slot = torch.where(scored, slot, torch.full_like(slot, total))
     sums = torch.zeros(total + 1, dtype=logp.dtype, device=logp.device).index_add(0, slot.flatten(), torch.where(scored, logp, 0).flatten())
