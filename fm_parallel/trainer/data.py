@@ -220,7 +220,7 @@ def _dpo_samples(tokenizer, path: str, seq_len: int) -> Iterator[tuple[list[int]
     prompt = min(64, seq_len // 4)
     response = max(min(96, seq_len // 4 - 1), 1)
     if prompt < 1 or prompt + 2 * (response + 1) > seq_len:
-        raise DataError(f"data.seq_len: expected at least 8 tokens for the built-in DPO samples, got {seq_len}")
+        raise DataError(f"data.seq_len: expected at least 5 tokens for the built-in DPO samples, got {seq_len}")
     previous = None
     for text in stdlib_texts():
         ids = tokenizer.encode(text)
