@@ -2,8 +2,8 @@
 
 The trainer writes ``adapter/`` into every checkpoint and into the run directory at the end:
 ``adapter_config.json`` + ``adapter_model.safetensors`` (peft's ``save_pretrained``), the tokenizer
-(a Hugging Face one is saved beside the adapter; the byte tokenizer is named in ``fm_parallel.json``)
-and the base model: ``model.path`` when the run fine-tuned a local model, else ``base_model/`` of the
+(a Hugging Face one is saved beside the adapter; the byte tokenizer is named in ``fm_parallel.json``),
+the base model's config (``base_model_config.json``) and where its weights are: ``model.path`` when the run fine-tuned a local model, else ``base_model/`` of the
 run directory, where a model built from the config saved its initial weights once.
 
 Convert a checkpoint written before adapters were exported (or re-export one):
@@ -54,6 +54,9 @@ def export_adapter(model, path: Path, cfg, tokenizer, step: int) -> Path:
         model.save_pretrained(str(path))
     finally:
         peft_config.base_model_name_or_path = previous
+    # The base model's architecture travels with the adapter even when its weights are not saved.
+    base_model = model.get_base_model()
+    (path / "base_model_config.json").write_text(base_model.config.to_json_string())
     hf_tokenizer = getattr(tokenizer, "tok", None)
     if hf_tokenizer is not None:
         hf_tokenizer.save_pretrained(str(path))

@@ -146,7 +146,9 @@ def test_the_peft_adapter_reproduces_the_trained_model(finished_run, tmp_path):
     from fm_parallel.trainer.export import convert_checkpoint
 
     adapter = finished_run / "adapter"
-    assert {"adapter_config.json", "adapter_model.safetensors", "fm_parallel.json"} <= {p.name for p in adapter.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "fm_parallel.json", "base_model_config.json"} <= {
+        p.name for p in adapter.iterdir()}
+    assert json.loads((adapter / "base_model_config.json").read_text())["hidden_size"] == 64
     info = json.loads((adapter / "fm_parallel.json").read_text())
     assert info["step"] == 1 and info["base_model"] == str((finished_run / "base_model").resolve())
     config = json.loads((adapter / "adapter_config.json").read_text())
