@@ -44,6 +44,25 @@ class RingComm:
         ops += [dist.P2POp(dist.irecv, t, self.peer(r), self.group) for t, r in recvs]
         return dist.batch_isend_irecv(ops) if ops else []
 
+    def wait(self, reqs) -> None:
+        """Wait for posted transfers. On gloo (host transfers, a blocking wait anyway) with the
+        agreement's deadline, so a peer that stops after the agreement is a :class:`RankFailure`, not a
+        hang; on NCCL a plain wait, which keeps compute and transfers overlapped (the process group's
+        own timeout and watchdog bound it)."""
+        if not reqs:
+            return
+        if dist.get_backend(self.group) != "gloo":
+            for req in reqs:
+                req.wait()
+            return
+        try:
+            for req in reqs:
+                req.wait(timeout=timedelta(seconds=AGREEMENT_TIMEOUT_S))
+        except RuntimeError as e:
+            raise RankFailure(f"ring transfer: a peer did not answer within {AGREEMENT_TIMEOUT_S:g} s or closed its "
+                              f"connection (a rank died or is stuck; FM_AGREEMENT_TIMEOUT_S sets the deadline): "
+                              f"{str(e)[:300]}") from None
+
 
 # Codes for values that are not ints, so that they travel in the agreement's int64 row.
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,

@@ -89,7 +89,7 @@ class _Ring:
             else:
                 reqs, chunk = pending
                 pending = self.post_kv(step + 1, k, v) if step + 1 < self.world else None
-                _wait(reqs)
+                self.comm.wait(reqs)
             yield step, self.comm.recv_from(step), chunk
 
     def _count(self, sends, skipped: int) -> None:
@@ -98,11 +98,6 @@ class _Ring:
         self.stats.transfers_posted += 1 if sends else 0
         self.stats.transfers_skipped += skipped
         self.stats.bytes_sent += sum(t.numel() * t.element_size() for t, _ in sends)
-
-
-def _wait(reqs) -> None:
-    for req in reqs:
-        req.wait()
 
 
 class _RingAttention(torch.autograd.Function):
@@ -157,7 +152,7 @@ class _RingAttention(torch.autograd.Function):
             ring._count(sends, skipped=0 if sends else 1)
             grads_in_flight.append((ring.comm.exchange(sends, recvs), bufs, part))
         for reqs, bufs, _ in grads_in_flight:
-            _wait(reqs)
+            ring.comm.wait(reqs)
             if bufs is not None:
                 dk += bufs[0]
                 dv += bufs[1]

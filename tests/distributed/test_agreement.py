@@ -175,3 +175,29 @@ def test_every_impl_name_through_every_entry_point_runs_or_raises():
             assert value == "ok", (key, value)
         else:
             assert value.startswith("ValueError: impl: expected one of"), (key, value)
+
+
+def stalls_after_agreement(rank, world):
+    import os
+
+    from fm_parallel import masks
+    from fm_parallel.distributed import comm, ring_attention, shard
+
+    comm.AGREEMENT_TIMEOUT_S = 3.0
+    if rank == 1:  # agrees, then never posts a transfer (stuck, then killed)
+        def stuck(self, sends, recvs):
+            time.sleep(8)
+            os._exit(0)
+
+        comm.RingComm.exchange = stuck
+    start = time.monotonic()
+    result = _outcome(lambda: ring_attention(*_qkv(rank, world), masks.causal(N), shard(N, world, "contiguous")))
+    result["seconds"] = time.monotonic() - start
+    return result
+
+
+def test_a_rank_that_stops_inside_the_ring_gives_a_clear_error_not_a_hang():
+    results = run_ranks(stalls_after_agreement, 2, timeout=120, allow_missing=True)
+    first = results[0]
+    assert first is not None and first["error"].startswith("RankFailure: ring transfer: a peer did not answer"), results
+    assert first["seconds"] < 10, first
