@@ -59,7 +59,7 @@ class RingComm:
             for req in reqs:
                 req.wait(timeout=timedelta(seconds=AGREEMENT_TIMEOUT_S))
         except RuntimeError as e:
-            raise RankFailure(f"ring transfer: a peer did not answer within {AGREEMENT_TIMEOUT_S:g} s or closed its "
+            raise RankFailure(f"context-parallel transfer: a peer did not answer within {AGREEMENT_TIMEOUT_S:g} s or closed its "
                               f"connection (a rank died or is stuck; FM_AGREEMENT_TIMEOUT_S sets the deadline): "
                               f"{str(e)[:300]}") from None
 

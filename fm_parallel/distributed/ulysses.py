@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fm_parallel.attention import flashmask_attention
-from fm_parallel.distributed.comm import check_cp_inputs
+from fm_parallel.distributed.comm import RingComm, check_cp_inputs
 from fm_parallel.distributed.sharding import ShardPlan
 from fm_parallel.masks.flashmask import FlashMask
 
@@ -28,7 +28,10 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """all_to_all_single along dim 0 of a contiguous ``[P, ...]`` tensor."""
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # not empty_like: that keeps x's strides
-    dist.all_to_all_single(out, x, group=group)
+    if dist.get_backend(group) == "gloo":  # a blocking host exchange anyway: give it the agreement's deadline
+        RingComm(group).wait([dist.all_to_all_single(out, x, group=group, async_op=True)])
+    else:
+        dist.all_to_all_single(out, x, group=group)
     return out
 
 

@@ -199,5 +199,5 @@ def stalls_after_agreement(rank, world):
 def test_a_rank_that_stops_inside_the_ring_gives_a_clear_error_not_a_hang():
     results = run_ranks(stalls_after_agreement, 2, timeout=120, allow_missing=True)
     first = results[0]
-    assert first is not None and first["error"].startswith("RankFailure: ring transfer: a peer did not answer"), results
+    assert first is not None and first["error"].startswith("RankFailure: context-parallel transfer: a peer did not answer"), results
     assert first["seconds"] < 10, first
