@@ -174,7 +174,8 @@ def test_consecutive_builder_on_row_slices_batches_and_kv_head_masks(seed, monke
     fms, fme, _ = random_intervals(2, 2, 70, 70, 1 + seed % 3, seed=seed)
     m = FlashMask(fms, fme, 70)
     offset, rows = 7 * seed, 70 - 9 * seed
-    got = fa4_block_sparsity_consecutive(m, 8, 16, 4, offset, rows)  # 4 query heads over 2 mask heads
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton on a GPU, the interpreter here
+    got = fa4_block_sparsity_consecutive(m.to(device), 8, 16, 4, offset, rows)  # 4 query heads over 2 mask heads
     assert_same_lists(got, fa4_block_sparsity(m, 8, 16, num_heads=4, positions=torch.arange(offset, offset + rows)))
     with pytest.raises(ValueError, match="num_heads: expected a multiple of the mask's 2 heads, got 3"):
-        fa4_block_sparsity_consecutive(m, 8, 16, 3, 0, 70)
+        fa4_block_sparsity_consecutive(m.to(device), 8, 16, 3, 0, 70)
