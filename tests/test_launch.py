@@ -90,12 +90,15 @@ def test_max_context_merges_earlier_runs(tmp_path):
 def test_trainer_attention_benchmark_runs_on_the_cpu(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "launch" / "bench" / "trainer_attention.py"), "--shape", "tiny", "--lengths", "512",
-         "--attention", "flashmask", "sdpa", "--steps", "2", "--tile-chunk", "128", "--loss-chunk", "128", "--out", str(tmp_path)],
+         "--attention", "flashmask", "sdpa", "--timed-steps", "3", "--tile-chunk", "128", "--loss-chunk", "128", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "trainer_h200.json").read_text())["rows"]
     assert [(r["attention"], r["fits"]) for r in rows] == [("flashmask", True), ("sdpa", True)], rows
+    for r in rows:  # tokens/s is total tokens over total timed time, and the spread is reported
+        assert r["timed_steps"] == 3 and r["step_s_min"] <= r["step_s"] <= r["step_s_max"]
+        assert r["tokens_per_s"] == pytest.approx(512 * 3 / sum(r["timed_step_s"]))
     # The same training run, attention computed two ways: the same losses.
     assert rows[0]["losses"] == pytest.approx(rows[1]["losses"], rel=1e-4)
 

@@ -1,7 +1,7 @@
 """The trainer's throughput with FlashMask against the same run with SDPA + a dense mask and with FlexAttention.
 
     python launch/bench/trainer_attention.py                                   # on the H200: 1B-class, 32k-128k
-    python launch/bench/trainer_attention.py --shape tiny --lengths 512 --attention flashmask sdpa --steps 2 \\
+    python launch/bench/trainer_attention.py --shape tiny --lengths 512 --attention flashmask sdpa --timed-steps 1 \\
         --out /tmp/bench                                                       # mechanics check on a CPU
 
 Each run is the real trainer (``fm_parallel.trainer.loop.train``): LoRA SFT on packed standard-library
@@ -9,8 +9,10 @@ text (byte tokenizer), one row of ``seq_len`` tokens per step, no context parall
 activation checkpointing, sequence-tiled layers, chunked loss. Only the attention differs: ``model.attention``
 flashmask (our kernel, O(N) mask), sdpa (an N x N boolean mask, which is what SDPA needs for packed
 documents) or flex (a BlockMask built from the same mask). The first step (compilation, autotuning)
-is left out of the mean. Runs share one process, so a run that does not fit is reported and the
-next one goes on.
+is not timed; then ``--timed-steps`` steps (8 by default) run on the same rows for every attention (the
+data stream is deterministic), and tokens/s is their total tokens over their total time (not a mean of
+per-step rates, which weighs short steps up); step times are reported as min / median / max. Runs share
+one process, so a run that does not fit is reported and the next one goes on.
 
 Writes docs/benchmarks/trainer_h200.json, trainer_h200.md and trainer_h200.png.
 """
@@ -46,16 +48,19 @@ def one_run(shape: str, attention: str, n: int, args, work: Path) -> dict:
     out = work / f"{shape}_{attention}_{n}"
     cfg = load_config(SHAPES[shape] + [
         "--model.attention", attention, "--model.tile_chunk", str(args.tile_chunk), "--data.seq_len", str(n),
-        "--training.steps", str(args.steps), "--training.loss_chunk", str(args.loss_chunk), "--parallel.cp", "none",
+        "--training.steps", str(args.timed_steps + 1), "--training.loss_chunk", str(args.loss_chunk), "--parallel.cp", "none",
         "--output.dir", str(out), "--output.checkpoint_every", "0", "--output.overwrite", "true"], environ={})
     row = {"shape": shape, "attention": attention, "seq_len": n}
     t0 = time.perf_counter()
     try:
         train(cfg)
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        timed = records[1:] or records
-        row.update(fits=True, tokens_per_s=statistics.mean(r["tokens_per_s"] for r in timed),
-                   step_s=statistics.mean(r["step_s"] for r in timed), first_step_s=records[0]["step_s"],
+        timed = records[1:]
+        if len(timed) != args.timed_steps:
+            raise RuntimeError(f"expected {args.timed_steps} timed steps, the run logged {len(timed)}")
+        times = [r["step_s"] for r in timed]
+        row.update(fits=True, tokens_per_s=n * len(timed) / sum(times), step_s=statistics.median(times),
+                   step_s_min=min(times), step_s_max=max(times), timed_steps=len(timed), timed_step_s=times, first_step_s=records[0]["step_s"],
                    losses=[r["loss"] for r in records], peak_gib=max((r.get("peak_gib", 0.0) for r in records), default=0.0))
     except Exception as e:  # noqa: BLE001 - a baseline that runs out of memory is a result, not a crash
         text = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
@@ -74,15 +79,16 @@ def write(rows: list[dict], args) -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     (args.out / f"{args.name}.json").write_text(json.dumps({"command": cmd, "device": device, "rows": rows}, indent=1))
     ours = {(r["shape"], r["seq_len"]): r for r in rows if r["attention"] == "flashmask" and r["fits"]}
-    lines = ["| model | seq_len | attention | tokens/s | step s | first step s | peak GiB | FlashMask speed-up |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | seq_len | attention | tokens/s (total / time) | step s min / median / max | first step s | peak GiB | "
+             "FlashMask speed-up |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r["fits"]:
             lines.append(f"| {r['shape']} | {r['seq_len']} | {r['attention']} | did not run: {r['error'][:80]} | | | | |")
             continue
         ref = ours.get((r["shape"], r["seq_len"]))
         speedup = f"{ref['tokens_per_s'] / r['tokens_per_s']:.2f}x" if ref and r["attention"] != "flashmask" else ""
-        lines.append(f"| {r['shape']} | {r['seq_len']} | {r['attention']} | {r['tokens_per_s']:.0f} | {r['step_s']:.2f} | "
+        lines.append(f"| {r['shape']} | {r['seq_len']} | {r['attention']} | {r['tokens_per_s']:.0f} | "
+                     f"{r['step_s_min']:.2f} / {r['step_s']:.2f} / {r['step_s_max']:.2f} | "
                      f"{r['first_step_s']:.1f} | {r['peak_gib']:.1f} | {speedup} |")
     md = "\n".join(lines)
     (args.out / f"{args.name}.md").write_text(f"# Trainer throughput by attention ({device})\n\n`{cmd}`\n\n{md}\n")
@@ -102,14 +108,14 @@ def main() -> None:
     parser.add_argument("--lengths", nargs="+", type=int, default=[32768, 65536, 131072])
     parser.add_argument("--attention", nargs="+", default=["flashmask", "flex", "sdpa"], choices=["flashmask", "flex", "sdpa"])
     parser.add_argument("--sdpa-max", type=int, default=65536, help="longest row for the dense-mask baseline (its step is O(N^2))")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--timed-steps", type=int, default=8, help="steps timed after the untimed first one")
     parser.add_argument("--loss-chunk", type=int, default=8192)
     parser.add_argument("--tile-chunk", type=int, default=16384)
     parser.add_argument("--name", default="trainer_h200")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
-    if args.steps < 2:
-        parser.error(f"--steps: expected at least 2 (the first step is not timed), got {args.steps}")
+    if args.timed_steps < 1:
+        parser.error(f"--timed-steps: expected at least 1 (8 for a reported number), got {args.timed_steps}")
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for n in args.lengths:
