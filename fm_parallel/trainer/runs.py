@@ -78,7 +78,8 @@ def check_run_dir(cfg: Config) -> None:
     existing = next((p for p in (out, *out.parents) if p.exists()), None)
     if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"output.dir: {existing} is not writable, so {out} cannot hold a run")
-    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    # Hidden files (.gitkeep, .DS_Store) are neither a run nor the user's data: they neither block nor get deleted.
+    entries = sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) if out.is_dir() else []
     if cfg.output.resume:
         saved = _saved_config(out)
         if saved is None:

@@ -79,6 +79,13 @@ def test_a_directory_of_another_run_is_refused_unless_resuming_or_overwriting(fi
     assert_user_error(trainer(*TINY, "--output.dir", str(foreign), "--output.overwrite", "true"), "not a run's (notes.txt)")
     assert (foreign / "notes.txt").read_text() == "mine"
     assert_user_error(trainer(*TINY, "--output.dir", str(foreign / "notes.txt")), "expected a directory")
+    from fm_parallel.trainer import runs
+    from fm_parallel.trainer.config import load_config
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / ".gitkeep").write_text("")
+    runs.check_run_dir(load_config(TINY + ["--output.dir", str(kept)], environ={}))  # a hidden file is not a run
     # Resuming with another model, adapter or row length names every difference.
     proc = trainer(*TINY, "--output.dir", str(finished_run), "--resume", "--model.lora_rank", "8", "--data.seq_len", "64")
     assert_user_error(proc, "model.lora_rank: 4 -> 8; data.seq_len: 128 -> 64")
