@@ -25,8 +25,8 @@ LOCAL_IMPLS = ("torch", "triton", "cute")
 def default_impl(device: torch.device) -> str:
     """Triton on CUDA (and under the Triton interpreter when FM_LOCAL_IMPL=triton), else PyTorch."""
     forced = os.environ.get("FM_LOCAL_IMPL")
-    if forced:
-        return resolve(forced, device)
+    if forced and forced != "auto":
+        return _checked(forced, device)
     return "triton" if device.type == "cuda" else "torch"
 
 
@@ -35,9 +35,15 @@ def resolve(impl: str | None, device: torch.device) -> str:
     known name is kept; anything else raises (it once ran the PyTorch path silently, on a GPU too)."""
     if impl is None or impl == "auto":
         return default_impl(device)
+    return _checked(impl, device)
+
+
+def _checked(impl: str, device: torch.device) -> str:
+    from fm_parallel.attention import _runs_here  # the same device rule as flashmask_attention's
+
     if impl not in LOCAL_IMPLS:
         raise ValueError(f"impl: expected one of {('auto',) + LOCAL_IMPLS} or None, got {impl!r}")
-    if impl in ("triton", "cute") and device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+    if impl != "torch" and not _runs_here(impl, device):
         raise ValueError(f"impl: {impl!r} needs CUDA tensors, got device {device}")
     return impl
 

@@ -201,3 +201,24 @@ def test_a_rank_that_stops_inside_the_ring_gives_a_clear_error_not_a_hang():
     first = results[0]
     assert first is not None and first["error"].startswith("RankFailure: context-parallel transfer: a peer did not answer"), results
     assert first["seconds"] < 10, first
+
+
+def test_the_local_kernel_name_follows_flashmask_attentions_device_rule(monkeypatch):
+    """launchers.resolve shares flashmask_attention's rule: Triton on CPU tensors only under the
+    interpreter (TRITON_INTERPRET=1, not merely set), CuTe never; FM_LOCAL_IMPL=auto is the default."""
+    from fm_parallel import launchers
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for name in ("triton", "cute"):
+        with pytest.raises(ValueError, match=f"impl: '{name}' needs CUDA tensors"):
+            launchers.resolve(name, cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert launchers.resolve("triton", cpu) == "triton"
+    with pytest.raises(ValueError, match="impl: 'cute' needs CUDA tensors"):
+        launchers.resolve("cute", cpu)
+    monkeypatch.setenv("FM_LOCAL_IMPL", "auto")  # recursed for ever before
+    assert launchers.resolve(None, cpu) == launchers.resolve("auto", cpu) == "torch"
+    monkeypatch.setenv("FM_LOCAL_IMPL", "bogus")
+    with pytest.raises(ValueError, match="impl: expected one of"):
+        launchers.resolve("auto", cpu)
