@@ -17,7 +17,7 @@ import torch.distributed as dist
 from fm_parallel.distributed.sharding import ShardPlan
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["RingComm", "RankFailure", "check_agreement", "check_cp_inputs", "dtype_code", "device_code"]
+__all__ = ["RingComm", "RankFailure", "check_agreement", "check_cp_inputs", "dtype_code", "device_code", "wait_with_deadline"]
 
 
 class RingComm:
@@ -49,19 +49,26 @@ class RingComm:
         agreement's deadline, so a peer that stops after the agreement is a :class:`RankFailure`, not a
         hang; on NCCL a plain wait, which keeps compute and transfers overlapped (the process group's
         own timeout and watchdog bound it)."""
-        if not reqs:
-            return
         if dist.get_backend(self.group) != "gloo":
             for req in reqs:
                 req.wait()
             return
-        try:
-            for req in reqs:
-                req.wait(timeout=timedelta(seconds=AGREEMENT_TIMEOUT_S))
-        except RuntimeError as e:
-            raise RankFailure(f"context-parallel transfer: a peer did not answer within {AGREEMENT_TIMEOUT_S:g} s or closed its "
-                              f"connection (a rank died or is stuck; FM_AGREEMENT_TIMEOUT_S sets the deadline): "
-                              f"{str(e)[:300]}") from None
+        wait_with_deadline(reqs, "context-parallel transfer", AGREEMENT_TIMEOUT_S)
+
+
+def wait_with_deadline(works, what: str, timeout_s: float) -> None:
+    """Wait for collective or p2p works, each for at most ``timeout_s``; a timeout or a closed peer
+    connection becomes a :class:`RankFailure` saying ``what`` was waiting."""
+    try:
+        for work in works:
+            try:
+                work.wait(timeout=timedelta(seconds=timeout_s))
+            except TypeError:  # a backend whose wait takes no deadline: the group's own timeout applies
+                work.wait()
+    except RuntimeError as e:  # gloo / NCCL: timed out, or a peer closed its connection
+        raise RankFailure(f"{what}: a peer did not answer within {timeout_s:g} s or closed its connection (a rank "
+                          f"died, stopped early, or is stuck elsewhere; FM_AGREEMENT_TIMEOUT_S sets the deadline): "
+                          f"{str(e)[:300]}") from None
 
 
 # Codes for values that are not ints, so that they travel in the agreement's int64 row.
@@ -99,18 +106,11 @@ def _gather(row: torch.Tensor, group, timeout_s: float) -> torch.Tensor:
         row = row.cuda()
     out = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
     try:
-        work = dist.all_gather(out, row, group=group, async_op=True)
-        try:
-            work.wait(timeout=timedelta(seconds=timeout_s))
-        except TypeError:  # a backend whose wait takes no deadline: the group's own timeout applies
-            work.wait()
-        table = torch.stack(out).cpu()
-    except RuntimeError as e:  # gloo / NCCL: timed out, or a peer closed its connection
-        raise RankFailure(
-            f"ranks' agreement check: a peer did not answer within {timeout_s:g} s or closed its connection (a rank "
-            f"died, stopped early, or is stuck elsewhere; FM_AGREEMENT_TIMEOUT_S sets the deadline): {str(e)[:300]}"
-        ) from None
-    return table
+        works = [dist.all_gather(out, row, group=group, async_op=True)]
+    except RuntimeError as e:  # a peer already gone when the gather is posted
+        raise RankFailure(f"ranks' agreement check: a peer closed its connection (a rank died): {str(e)[:300]}") from None
+    wait_with_deadline(works, "ranks' agreement check", timeout_s)
+    return torch.stack(out).cpu()
 
 
 def _encode(message: str) -> torch.Tensor:

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from fm_parallel.attention import flashmask_attention
-from fm_parallel.distributed.comm import RingComm, check_cp_inputs
+from fm_parallel.distributed import comm
+from fm_parallel.distributed.comm import check_cp_inputs, wait_with_deadline
 from fm_parallel.distributed.sharding import ShardPlan
 from fm_parallel.masks.flashmask import FlashMask
 
@@ -29,7 +30,8 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # not empty_like: that keeps x's strides
     if dist.get_backend(group) == "gloo":  # a blocking host exchange anyway: give it the agreement's deadline
-        RingComm(group).wait([dist.all_to_all_single(out, x, group=group, async_op=True)])
+        wait_with_deadline([dist.all_to_all_single(out, x, group=group, async_op=True)], "Ulysses all-to-all",
+                           comm.AGREEMENT_TIMEOUT_S)
     else:
         dist.all_to_all_single(out, x, group=group)
     return out
