@@ -26,7 +26,7 @@ import torch
 
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["ShardPlan", "shard", "pair_counts", "row_work", "BALANCE_MODES"]
+__all__ = ["ShardPlan", "shard", "length_multiple", "pair_counts", "row_work", "BALANCE_MODES"]
 
 BALANCE_MODES = ("contiguous", "zigzag", "mask")
 
@@ -156,6 +156,11 @@ def _balance_by_mask(mask: FlashMask, world_size: int, blocks_per_rank: int | No
     return best[0], best[1]
 
 
+def length_multiple(world_size: int, balance: str) -> int:
+    """What a sequence length must be a multiple of to shard over ``world_size`` ranks (2P for zigzag)."""
+    return 2 * world_size if balance == "zigzag" else world_size
+
+
 def shard(
     mask_or_tokens, world_size: int, balance: str = "mask", blocks_per_rank: int | None = None,
     target_imbalance: float = 1.02,
@@ -180,7 +185,7 @@ def shard(
         raise ValueError(f"mask_or_tokens: expected a FlashMask or a positive token count, got {mask_or_tokens!r}")
     if mask is not None and mask.num_rows != n:
         raise ValueError(f"mask: expected a self-attention mask (num_rows == num_keys), got {mask.num_rows} x {n}")
-    divisor = 2 * world_size if balance == "zigzag" else world_size
+    divisor = length_multiple(world_size, balance)
     if n % divisor:
         raise ValueError(f"mask_or_tokens: expected a length divisible by {divisor} for balance={balance!r} "
                          f"with {world_size} ranks, got {n} (pad the sequence)")

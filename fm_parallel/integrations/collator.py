@@ -35,12 +35,12 @@ from fm_parallel.masks.flashmask import FlashMask
 __all__ = ["FlashMaskCollator", "response_logps"]
 
 
-def _ids(example: dict, key: str, index: int) -> list[int]:
-    value = example.get(key)
+def _ids(value, where: str) -> list[int]:
+    """``value`` as a list of token ids; ``where`` names it in the error (``examples[3]['prompt_ids']``)."""
     if isinstance(value, torch.Tensor):
         value = value.tolist()
     if not isinstance(value, Sequence) or isinstance(value, str) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise ValueError(f"examples[{index}][{key!r}]: expected a list of token ids, got {type(value).__name__}")
+        raise ValueError(f"{where}: expected a list of token ids, got {type(value).__name__}")
     return list(value)
 
 
@@ -66,19 +66,19 @@ class FlashMaskCollator:
         if not isinstance(example, dict):
             raise ValueError(f"examples[{index}]: expected a dict, got {type(example).__name__}")
         if "prompt_ids" in example:
-            prompt = _ids(example, "prompt_ids", index)
+            prompt = _ids(example["prompt_ids"], f"examples[{index}]['prompt_ids']")
             if "response_ids" in example:
                 raw = example["response_ids"]
                 if not isinstance(raw, Sequence) or not raw:
                     raise ValueError(f"examples[{index}]['response_ids']: expected a non-empty list of responses, got {raw!r}")
-                responses = [_ids({"r": r}, "r", index) for r in raw]
+                responses = [_ids(r, f"examples[{index}]['response_ids'][{i}]") for i, r in enumerate(raw)]
             else:
-                responses = [_ids(example, "chosen_ids", index), _ids(example, "rejected_ids", index)]
+                responses = [_ids(example.get(k), f"examples[{index}][{k!r}]") for k in ("chosen_ids", "rejected_ids")]
             if any(len(r) == 0 for r in responses):
                 raise ValueError(f"examples[{index}]: expected non-empty responses, got lengths {[len(r) for r in responses]}")
             return "preference", [prompt] + responses, len(prompt)
         if "input_ids" in example:
-            ids = _ids(example, "input_ids", index)
+            ids = _ids(example["input_ids"], f"examples[{index}]['input_ids']")
             if not ids:
                 raise ValueError(f"examples[{index}]['input_ids']: expected at least one token, got none")
             prefix = example.get("prefix_len", 0)

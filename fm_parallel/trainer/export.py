@@ -83,11 +83,7 @@ def convert_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
     from fm_parallel.trainer.loop import _build_model, _tokenizer
 
     run_dir = Path(run_dir)
-    saved = None
-    for name in (runs.RUN_FILE, "config.json"):
-        if (run_dir / name).exists():
-            saved = json.loads((run_dir / name).read_text())
-            break
+    saved = runs.saved_config(run_dir)
     if saved is None:
         raise ConfigError(f"run_dir: expected a trainer run directory with {runs.RUN_FILE}, got {run_dir}")
     cfg = Config()

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from fm_parallel.distributed import ParallelDims, shard
 from fm_parallel.distributed.comm import RankFailure
 from fm_parallel.distributed.context import ContextParallel
+from fm_parallel.distributed.sharding import length_multiple
 from fm_parallel.trainer import runs
 from fm_parallel.trainer.config import Config, ConfigError, load_config
 from fm_parallel.trainer.data import DataError, Row, dpo_rows, load_tokenizer, sft_rows, validate_jsonl
@@ -69,7 +70,7 @@ def _layout(cfg: Config):
                          f"or a CP degree of 1, got {mode} over {cp} ranks")
     if world % cp:
         raise ConfigError(f"parallel.cp_degree: expected a divisor of the {world} ranks, got {cp}")
-    divisor = 2 * cp if cfg.parallel.balance == "zigzag" else cp
+    divisor = length_multiple(cp, cfg.parallel.balance)  # shard()'s own rule, checked before any rank builds a model
     if cp > 1 and cfg.data.seq_len % divisor:
         raise ConfigError(f"data.seq_len: expected a multiple of {divisor} (CP degree {cp}, balance {cfg.parallel.balance}), "
                           f"got {cfg.data.seq_len}")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from fm_parallel.trainer.config import Config, ConfigError
 
-__all__ = ["RUN_FILE", "check_run_dir", "clear_run_dir", "config_differences", "write_checksums",
+__all__ = ["RUN_FILE", "saved_config", "check_run_dir", "clear_run_dir", "config_differences", "write_checksums",
            "verify_checkpoint", "latest_checkpoint", "CheckpointError", "StopRequested"]
 
 RUN_FILE = "run.json"
@@ -46,7 +46,8 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be resumed from (damaged, incomplete, inconsistent)."""
 
 
-def _saved_config(out: Path) -> dict | None:
+def saved_config(out: Path) -> dict | None:
+    """The configuration a run directory was made with (``run.json``, or an older run's ``config.json``)."""
     for name in (RUN_FILE, "config.json"):
         path = out / name
         if path.exists():
@@ -81,7 +82,7 @@ def check_run_dir(cfg: Config) -> None:
     # Hidden files (.gitkeep, .DS_Store) are neither a run nor the user's data: they neither block nor get deleted.
     entries = sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) if out.is_dir() else []
     if cfg.output.resume:
-        saved = _saved_config(out)
+        saved = saved_config(out)
         if saved is None:
             raise ConfigError(f"--resume: expected a complete checkpoint under {out / 'checkpoints'}, found none "
                               f"({'no directory' if not out.is_dir() else 'no run in ' + str(out)})")
