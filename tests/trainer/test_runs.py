@@ -48,7 +48,10 @@ def test_user_errors_are_one_line_without_traceback(tmp_path):
     bad_toml.write_text("[training\nsteps = 2\n")
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "fine"}\n{"text": "fine"}\n{oops\n')
+    long_dpo = tmp_path / "dpo.jsonl"
+    long_dpo.write_text(json.dumps({"prompt": "p" * 60, "chosen": "c" * 40, "rejected": "r" * 40}) + "\n")
     cases = [
+        (["--data.objective", "dpo", "--data.path", str(long_dpo)], f"{long_dpo}:1: a DPO sample of 142 tokens"),
         (["--training.steps", "-1"], "training.steps: expected a value >= 1, got -1"),
         (["--config", str(bad_toml)], f"{bad_toml} is not valid TOML"),
         (["--model.path", str(tmp_path / "no_model")], "model.path: expected a local Hugging Face model folder"),
@@ -216,3 +219,15 @@ def test_a_damaged_checksum_listing_is_refused(tmp_path, listing):
         runs.verify_checkpoint(ckpt)
     runs.write_checksums(ckpt)
     runs.verify_checkpoint(ckpt)  # a rewritten listing verifies
+
+
+def test_a_data_set_smaller_than_one_row_trains_through_the_command_line(tmp_path):
+    """One 12-token record with 128-token rows hung the trainer (no row was ever complete); now every
+    step trains on the padded row that holds it."""
+    data = tmp_path / "tiny.jsonl"
+    data.write_text('{"text": "hello world"}\n')
+    out = tmp_path / "run"
+    proc = trainer(*TINY, "--data.path", str(data), "--output.dir", str(out), timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 2 and all(0 < x < 10 for x in losses)  # 11 predicted tokens a step, not a NaN of 0/0
