@@ -8,24 +8,22 @@ computations live in :mod:`fm_parallel.reference` (PyTorch), :mod:`fm_parallel.d
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import logging
 import math
-import os
 
 import torch
 
+from fm_parallel import backends
 from fm_parallel.dense import dense_attention
 from fm_parallel.masks import builders
 from fm_parallel.masks.flashmask import FlashMask
 from fm_parallel.masks.intervals import MaskNotExpressible
-from fm_parallel.reference import DEFAULT_BLOCK, blockwise_attention
+from fm_parallel.reference import DEFAULT_BLOCK
 
 __all__ = ["flashmask_attention", "IMPLS"]
 
 log = logging.getLogger("fm_parallel")
-IMPLS = ("auto", "cute", "triton", "torch", "dense")
+IMPLS = backends.names()  # ("auto", "cute", "triton", "torch", "dense")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _logged: set[str] = set()
 
@@ -120,69 +118,8 @@ def _dense_mask(attn_mask, b, hq, hkv, nq, nk, device) -> torch.Tensor:
     return m
 
 
-_BACKENDS = {"triton": "fm_parallel.kernels.triton_flashmask", "cute": "fm_parallel.kernels.cute_flashmask"}
-_LOADED: dict = {}  # backend name -> module, filled by _resolve_impl so the hot path is a dict lookup
-# What impl="auto" tries on CUDA, in order. "cute" passed launch/bench/verify_gpu.py on the H200 (30/30,
-# every family, GQA, D 64-256, fp16, ring chunks, zigzag rows, lse gradients) and is the faster backend
-# there (docs/benchmarks/README.md); it is skipped when a reproducible backward is required.
-AUTO_ORDER_CUDA = ("cute", "triton")
-_NONDETERMINISTIC = {"cute"}  # backends whose backward adds dQ with atomics
-_PACKAGES = {"cute": "flash_attn", "triton": "triton"}  # the optional package each GPU backend needs
-
-
-def _load(impl: str):
-    """Import the GPU backend of ``impl``, or raise a ValueError saying why it cannot run."""
-    if impl not in _LOADED:
-        try:
-            _LOADED[impl] = importlib.import_module(_BACKENDS[impl])
-        except ImportError as e:
-            raise ValueError(f"impl: {impl!r} is not available here ({e}); use impl='torch' or 'auto'") from None
-    return _LOADED[impl]
-
-
 def _runs_here(impl: str, device: torch.device) -> bool:
-    # The Triton interpreter (TRITON_INTERPRET=1, CPU tests) runs the Triton kernels on CPU tensors.
-    return device.type == "cuda" or (impl == "triton" and os.environ.get("TRITON_INTERPRET") == "1")
-
-
-# Under torch.compile the choice is made once while tracing and baked into the graph (it depends only
-# on the requested name, the device and the installed packages), so imports never break the graph.
-@torch.compiler.assume_constant_result
-def _resolve_impl(impl: str, device: torch.device, deterministic: bool = False) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
-    if deterministic and impl in _NONDETERMINISTIC:
-        raise ValueError(f"deterministic: impl={impl!r} has no reproducible backward (FA4 adds dQ with atomics on "
-                         "Hopper); use impl='triton' or 'auto', or deterministic=False")
-    if impl in _BACKENDS:
-        if not _runs_here(impl, device):
-            raise ValueError(f"impl: {impl!r} needs CUDA tensors, got device {device}")
-        if not _supports(_load(impl), device):
-            raise ValueError(f"impl: {impl!r} does not run on {torch.cuda.get_device_name(device)} "
-                             "(impl='cute' needs a Hopper GPU, compute capability 9.x); use impl='triton'")
-        return impl
-    if impl == "auto":
-        if device.type == "cuda":
-            for name in AUTO_ORDER_CUDA:
-                if deterministic and name in _NONDETERMINISTIC:
-                    continue
-                try:
-                    if _supports(_load(name), device):
-                        return name
-                except ValueError as e:
-                    # Not installed: auto skips it by design. Installed but broken (a missing library of
-                    # FA4's, say): say so once, or auto would fall back to a slower backend silently.
-                    if importlib.util.find_spec(_PACKAGES[name]) is not None:
-                        _log_once(f"broken:{name}", f"fm_parallel: impl='auto' skips {name!r}, which is installed but "
-                                                    f"does not load ({e}); using the next backend")
-                    continue
-        return "torch"
-    return impl
-
-
-def _supports(backend, device: torch.device) -> bool:
-    """A backend may narrow the devices it runs on (the CuTe backend: Hopper only)."""
-    return getattr(backend, "supports", lambda _: True)(device)
+    return backends.get(impl).runs_on(device)
 
 
 def autocast_inputs(q, k, v):
@@ -266,11 +203,9 @@ def flashmask_attention(
         raise ValueError(f"mask: expected at most one of fms/fme, mask, attn_mask, is_causal, got {sources}")
     if not isinstance(deterministic, bool):
         raise ValueError(f"deterministic: expected a bool, got {deterministic!r}")
-    requested, impl = impl, _resolve_impl(impl, q.device, deterministic)
-    if impl == "cute" and (why := _LOADED["cute"].unsupported(q, v)):
-        if requested != "auto":
-            raise ValueError(why)
-        impl = _resolve_impl("triton", q.device)  # dtypes or head dims FA4 has no kernel for
+    # One resolver for every entry point (fm_parallel/backends.py): auto skips backends that cannot take
+    # these dtypes or head dims; an explicit name runs or raises.
+    impl = backends.resolve(impl, q.device, q.dtype, d, v.shape[-1], deterministic)
 
     dense_rows = None
     if attn_mask is not None:
@@ -305,9 +240,8 @@ def flashmask_attention(
         if dense_rows is None:
             dense_rows = lambda r0, r1: mask.to_dense(rows=positions[r0:r1])  # noqa: E731
         out, lse = dense_attention(q, k, v, dense_rows, scale)
-    elif impl == "torch":
-        out, lse = blockwise_attention(q, k, v, mask, positions, scale, block_size, block_size)
     else:
         offset = q_offset if q_positions is None else None  # lets the backend cache its launch plan
-        out, lse = _LOADED[impl].attention(q, k, v, mask, positions, scale, offset, deterministic)
+        extra = {"block_size": block_size} if impl == "torch" else {}
+        out, lse = backends.get(impl).attention(q, k, v, mask, positions, scale, offset, deterministic, **extra)
     return (out, lse) if return_lse else out

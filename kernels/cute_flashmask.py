@@ -38,7 +38,8 @@ from fm_parallel.kernels.fa4_sparsity import (fa4_block_sparsity, fa4_block_spar
                                               pack_bounds)
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["attention", "cute_fwd", "cute_bwd", "paths", "supports", "unsupported"]
+__all__ = ["attention", "forward", "backward", "cute_fwd", "cute_bwd", "paths", "supports", "unsupported",
+           "unsupported_inputs"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -54,14 +55,19 @@ def supports(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
+def unsupported_inputs(dtype: torch.dtype, head_dim: int | None, value_dim: int | None) -> str | None:
     """Why FA4's SM90 kernels cannot run these inputs (``impl="auto"`` then uses Triton), or None."""
-    if q.dtype not in _DTYPES:
-        return f"q: impl='cute' expects float16 or bfloat16, got {q.dtype}"
-    for name, dim in (("q", q.shape[-1]), ("v", v.shape[-1])):
-        if dim % 8 or not 8 <= dim <= 256:
+    if dtype not in _DTYPES:
+        return f"q: impl='cute' expects float16 or bfloat16, got {dtype}"
+    for name, dim in (("q", head_dim), ("v", value_dim)):
+        if dim is not None and (dim % 8 or not 8 <= dim <= 256):
             return f"{name}: impl='cute' expects a head dim in [8, 256] divisible by 8, got {dim}"
     return None
+
+
+def unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """:func:`unsupported_inputs` of tensors."""
+    return unsupported_inputs(q.dtype, q.shape[-1], v.shape[-1])
 
 
 def _bshd(t: torch.Tensor) -> torch.Tensor:
@@ -70,13 +76,20 @@ def _bshd(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _sparsity(mask: FlashMask, positions: torch.Tensor, num_heads: int, head_dim: int, q_offset: int | None):
-    """FA4's (forward, backward) block-sparse tensors, cached on the mask for consecutive rows."""
+def _sparsity(mask: FlashMask, positions: torch.Tensor, num_heads: int, head_dim: int, q_offset: int | None,
+              rows_key=None):
+    """FA4's (forward, backward) block-sparse tensors, cached on the mask for consecutive rows, and
+    for arbitrary rows the caller keeps fixed (``rows_key``, a prepared mask's rank)."""
     block_q, block_k = fa4_tile_shape(head_dim)
 
-    if q_offset is None:  # arbitrary rows (zigzag shards): the dense tile grid, no cheap cache key
-        fwd, bwd = fa4_block_sparsity(mask, block_q, block_k, num_heads, positions)
-        return fwd.to_fa4(), bwd.to_fa4()
+    if q_offset is None:  # arbitrary rows (zigzag shards): the dense tile grid
+        def arbitrary():
+            fwd, bwd = fa4_block_sparsity(mask, block_q, block_k, num_heads, positions)
+            return fwd.to_fa4(), bwd.to_fa4()
+
+        if rows_key is None:
+            return arbitrary()
+        return mask.cached(("fa4_sparsity_rows", block_q, block_k, num_heads, rows_key), arbitrary)
 
     def make():  # consecutive rows: the lists built on the GPU from the tile ranges
         fwd, bwd = fa4_block_sparsity_consecutive(mask, block_q, block_k, num_heads, q_offset, positions.numel())
@@ -130,7 +143,8 @@ def _varlen(t: torch.Tensor) -> torch.Tensor:
     return t.squeeze(0).transpose(0, 1)
 
 
-def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None):
+def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None,
+             rows_key=None):
     """Forward: ``out [B, Hq, Nq, Dv]`` (q's dtype) and ``lse [B, Hq, Nq]`` float32 (natural log;
     ``-inf`` and a zero output for rows that see no key)."""
     out = q.new_empty(*q.shape[:3], v.shape[-1])
@@ -149,7 +163,7 @@ def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_
         return out, lse
     paths["block_sparse"] += 1
     hq, d = q.shape[1], q.shape[-1]
-    fwd_sparsity, _ = _sparsity(mask, positions, hq, d, q_offset)
+    fwd_sparsity, _ = _sparsity(mask, positions, hq, d, q_offset, rows_key)
     mask_mod, aux = _mask_args(mask, positions, hq, q_offset)
     # Outputs allocated in our layout and handed to FA4 as [B, N, H, D] views: no copies either way.
     with cute_fa4_patches.forward_schedule(OPTIONS.heaviest_first):
@@ -161,7 +175,7 @@ def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_
 
 
 def cute_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, dlse=None,
-             q_offset: int | None = None, deterministic: bool = False):
+             q_offset: int | None = None, deterministic: bool = False, rows_key=None):
     """Backward from the (possibly ring-merged) ``out`` and ``lse``: ``(dq, dk, dv)`` like the inputs.
     ``dlse``: the gradient reaching ``lse`` (the ring merge produces one).
 
@@ -183,7 +197,7 @@ def cute_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, 
                             dq=_varlen(dq), dk=_varlen(dk), dv=_varlen(dv))
         return dq, dk, dv
     hq, d = q.shape[1], q.shape[-1]
-    _, bwd_sparsity = _sparsity(mask, positions, hq, d, q_offset)
+    _, bwd_sparsity = _sparsity(mask, positions, hq, d, q_offset, rows_key)
     mask_mod, aux = _mask_args(mask, positions, hq, q_offset)
     _flash_attn_bwd(
         _bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse.contiguous(), scale,
@@ -202,3 +216,7 @@ def attention(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q
     """Differentiable FlashMask attention on FA4's kernels (``fm_parallel::flashmask_cute_fwd``);
     inputs validated by the caller, :func:`unsupported` included."""
     return _attention(q, k, v, mask, positions, scale, q_offset, deterministic)
+
+
+# The launcher names of the backend interface (fm_parallel/backends.py).
+forward, backward = cute_fwd, cute_bwd

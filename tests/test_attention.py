@@ -1,5 +1,6 @@
 """flashmask_attention as a public function: mask sources, impl choice, fallback, bad input."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -117,33 +118,68 @@ def test_explicit_impl_is_honoured_or_raises(monkeypatch):
     torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+def _stand_ins(monkeypatch, loaded: dict, missing=()):
+    """Backends replaced by stand-in modules (no GPU here); ``missing``: names whose module cannot import."""
+    from fm_parallel import backends
+
+    monkeypatch.setattr(backends, "_LOADED", dict(loaded))
+    monkeypatch.setattr(backends, "_logged", set())
+    for name in missing:
+        b = backends.get(name)
+        monkeypatch.setitem(backends._REGISTRY, name, dataclasses.replace(b, module="fm_parallel_no_such_module"))
+    return backends
+
+
 def test_auto_on_cuda_prefers_a_cute_backend_that_supports_the_device(monkeypatch):
     """The choice only (no GPU here): backends are stand-ins; ``torch.device("cuda")`` needs no GPU."""
     import types
 
-    from fm_parallel import attention
-
     cuda = torch.device("cuda")
-    assert attention.AUTO_ORDER_CUDA == ("cute", "triton")  # cute passed verify_gpu.py on the H200
     hopper = types.SimpleNamespace(supports=lambda device: True)
     other_gpu = types.SimpleNamespace(supports=lambda device: False)
     triton = types.SimpleNamespace()
-    monkeypatch.setattr(attention, "_LOADED", {"cute": hopper, "triton": triton})
-    assert attention._resolve_impl("auto", cuda) == "cute"
+    backends = _stand_ins(monkeypatch, {"cute": hopper, "triton": triton})
+    assert backends.AUTO_ORDER_CUDA == ("cute", "triton")  # cute passed verify_gpu.py on the H200
+    assert backends.resolve("auto", cuda) == backends.resolve(None, cuda) == "cute"
     # A reproducible backward required: auto skips the atomics-based backend, an explicit cute is refused.
-    assert attention._resolve_impl("auto", cuda, deterministic=True) == "triton"
+    assert backends.resolve("auto", cuda, deterministic=True) == "triton"
     with pytest.raises(ValueError, match="deterministic: impl='cute' has no reproducible backward"):
-        attention._resolve_impl("cute", cuda, deterministic=True)
-    monkeypatch.setattr(attention, "_LOADED", {"cute": other_gpu, "triton": triton})
-    assert attention._resolve_impl("auto", cuda) == "triton"
+        backends.resolve("cute", cuda, deterministic=True)
+    backends = _stand_ins(monkeypatch, {"cute": other_gpu, "triton": triton})
+    assert backends.resolve("auto", cuda) == "triton"
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA A100")
     with pytest.raises(ValueError, match="impl: 'cute' does not run on NVIDIA A100 .*needs a Hopper GPU"):
-        attention._resolve_impl("cute", cuda)
-    monkeypatch.setattr(attention, "_LOADED", {"triton": triton})
-    monkeypatch.setitem(attention._BACKENDS, "cute", "fm_parallel_no_such_module")  # the [cute] extra missing
-    assert attention._resolve_impl("auto", cuda) == "triton"
+        backends.resolve("cute", cuda)
+    backends = _stand_ins(monkeypatch, {"triton": triton}, missing=["cute"])  # the [cute] extra missing
+    assert backends.resolve("auto", cuda) == "triton"
     with pytest.raises(ValueError, match="impl: 'cute' is not available here"):
-        attention._resolve_impl("cute", cuda)
+        backends.resolve("cute", cuda)
+
+
+def test_auto_skips_a_backend_that_cannot_take_the_dtype_or_head_dim_and_an_explicit_one_says_why(monkeypatch):
+    import types
+
+    cuda = torch.device("cuda")
+    hopper = types.SimpleNamespace(supports=lambda device: True, unsupported_inputs=lambda dt, d, dv: None if dt == torch.bfloat16 and d <= 256 else f"no {dt} {d}")
+    backends = _stand_ins(monkeypatch, {"cute": hopper, "triton": types.SimpleNamespace()})
+    assert backends.resolve("auto", cuda, torch.bfloat16, 128, 128) == "cute"
+    assert backends.resolve("auto", cuda, torch.float32, 128, 128) == "triton"
+    assert backends.resolve("auto", cuda, torch.bfloat16, 512, 512) == "triton"
+    with pytest.raises(ValueError, match="no torch.float32 128"):
+        backends.resolve("cute", cuda, torch.float32, 128, 128)
+
+
+def test_resolve_refuses_unknown_names_and_dense_per_ring_chunk():
+    from fm_parallel import backends
+
+    cpu = torch.device("cpu")
+    for bad in ("fast", "Triton", "", 3, ("torch",)):
+        with pytest.raises(ValueError, match=r"impl: expected one of \('auto', 'cute', 'triton', 'torch', 'dense'\)"):
+            backends.resolve(bad, cpu)
+    assert backends.resolve("dense", cpu) == "dense"
+    with pytest.raises(ValueError, match="impl: 'dense' runs only where the whole mask is local"):
+        backends.resolve("dense", cpu, chunked=True)
+    assert backends.resolve("auto", cpu, chunked=True) == "torch"
 
 
 def test_auto_says_once_when_an_installed_backend_does_not_load(monkeypatch, caplog):
@@ -152,20 +188,16 @@ def test_auto_says_once_when_an_installed_backend_does_not_load(monkeypatch, cap
     import importlib.util
     import types
 
-    from fm_parallel import attention
-
     cuda = torch.device("cuda")
-    monkeypatch.setattr(attention, "_LOADED", {"triton": types.SimpleNamespace()})
-    monkeypatch.setitem(attention._BACKENDS, "cute", "fm_parallel_no_such_module")
-    monkeypatch.setattr(attention, "_logged", set())
     real_find_spec = importlib.util.find_spec
     for installed in (False, True):
+        backends = _stand_ins(monkeypatch, {"triton": types.SimpleNamespace()}, missing=["cute"])
         monkeypatch.setattr(importlib.util, "find_spec",  # flash-attn-4 present or not, whatever this machine has
                             lambda name, *a, _i=installed: (object() if _i else None) if name == "flash_attn" else real_find_spec(name, *a))
         caplog.clear()
         with caplog.at_level("WARNING", logger="fm_parallel"):
-            assert attention._resolve_impl("auto", cuda) == "triton"
-            assert attention._resolve_impl("auto", cuda) == "triton"
+            assert backends.resolve("auto", cuda) == "triton"
+            assert backends.resolve("auto", cuda) == "triton"
         said = [r.message for r in caplog.records if "skips 'cute'" in r.message]
         assert len(said) == (1 if installed else 0), said
 

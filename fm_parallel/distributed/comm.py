@@ -38,22 +38,50 @@ class RingComm:
     def recv_from(self, step: int) -> int:
         return (self.rank - step) % self.world_size
 
-    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]):
-        """Post isend/irecv for (tensor, group rank) pairs; returns the requests to wait on."""
+    def exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> "Pending":
+        """Post isend/irecv for (tensor, group rank) pairs; returns what :meth:`wait` takes.
+
+        On gloo, GPU tensors travel through host copies (gloo moves host memory): the sends are
+        copied to the host here, the receives land in host buffers copied to the device by
+        :meth:`wait`. That lets P processes that share one GPU run the real ring (the virtual-rank
+        check, launch/bench/verify_cp_gpu.py); NCCL moves device memory directly."""
+        copies = []
+        if self.host_staged(sends, recvs):
+            sends = [(t.to("cpu"), r) for t, r in sends]
+            staged = []
+            for t, r in recvs:
+                host = torch.empty(t.shape, dtype=t.dtype)
+                copies.append((host, t))
+                staged.append((host, r))
+            recvs = staged
         ops = [dist.P2POp(dist.isend, t, self.peer(r), self.group) for t, r in sends]
         ops += [dist.P2POp(dist.irecv, t, self.peer(r), self.group) for t, r in recvs]
-        return dist.batch_isend_irecv(ops) if ops else []
+        return Pending(dist.batch_isend_irecv(ops) if ops else [], copies)
 
-    def wait(self, reqs) -> None:
+    def host_staged(self, sends, recvs) -> bool:
+        return dist.get_backend(self.group) == "gloo" and any(t.device.type != "cpu" for t, _ in (*sends, *recvs))
+
+    def wait(self, pending: "Pending") -> None:
         """Wait for posted transfers. On gloo (host transfers, a blocking wait anyway) with the
         agreement's deadline, so a peer that stops after the agreement is a :class:`RankFailure`, not a
         hang; on NCCL a plain wait, which keeps compute and transfers overlapped (the process group's
         own timeout and watchdog bound it)."""
         if dist.get_backend(self.group) != "gloo":
-            for req in reqs:
+            for req in pending.works:
                 req.wait()
-            return
-        wait_with_deadline(reqs, "context-parallel transfer", AGREEMENT_TIMEOUT_S)
+        else:
+            wait_with_deadline(pending.works, "context-parallel transfer", AGREEMENT_TIMEOUT_S)
+        for host, device in pending.copies:
+            device.copy_(host)
+
+
+class Pending:
+    """Posted transfers: their works, and host buffers to copy to the device once they are done."""
+
+    __slots__ = ("works", "copies")
+
+    def __init__(self, works: list, copies: list):
+        self.works, self.copies = works, copies
 
 
 def wait_with_deadline(works, what: str, timeout_s: float) -> None:
@@ -193,20 +221,22 @@ def _local_problem(q, k, v, mask, plan, world) -> str | None:
     return None
 
 
-def check_cp_inputs(q, k, v, mask, plan, group, *, groups: list | None = None, world: int | None = None) -> tuple[int, int]:
+def check_cp_inputs(q, k, v, mask, plan, group, *, groups: list | None = None, world: int | None = None,
+                    problem: str | None = None) -> tuple[int, int]:
     """The checks every context-parallel attention call makes; returns ``(world, rank)`` of the group.
 
     Every rank runs its own checks, then all ranks agree (one all_gather) on shapes, dtype, device
     type, the mask (a cryptographic digest of its bounds, cached per mask) and the plan; a rank whose
     own check failed still joins, so the same ValueError is raised on every rank instead of a hang.
     ``groups``: agree over these groups in turn instead of ``group`` alone, with ``world`` the ranks
-    the plan spans (hybrid: Ulysses then ring groups, R x U ranks).
+    the plan spans (hybrid: Ulysses then ring groups, R x U ranks). ``problem``: a failure the caller
+    found itself, raised on every rank like the others.
     """
     if not dist.is_initialized():
         raise ValueError("group: expected an initialised torch.distributed process group, got none")
     rank = dist.get_rank(group)
     world = dist.get_world_size(group) if world is None else world
-    problem = _local_problem(q, k, v, mask, plan, world)
+    problem = problem or _local_problem(q, k, v, mask, plan, world)
     names = ["q length", "k length", "batch", "query heads", "kv heads", "head dim", "value dim", "plan tokens",
              "dtype", "device type", "mask", "plan"]
     values = [0] * len(names)

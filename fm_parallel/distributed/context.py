@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
 from fm_parallel.distributed.hybrid import hybrid_attention
+from fm_parallel.distributed.prepared import PreparedMask, for_call
 from fm_parallel.distributed.ring import RingStats, ring_attention
 from fm_parallel.distributed.sharding import ShardPlan
 from fm_parallel.distributed.ulysses import ulysses_attention
@@ -26,8 +28,12 @@ class ContextParallel:
         plan: the sharding plan, the same on every rank of the group.
         group: the context-parallel process group (ring, Ulysses; default: the world).
         mesh: a 2-D DeviceMesh with dims ("ring", "ulysses") (hybrid).
-        impl: the local kernel (None: Triton on CUDA, PyTorch on CPU).
+        impl: the local kernel, resolved like ``flashmask_attention``'s (None = ``"auto"``).
         stats: accumulates the ring's transfer counts over calls.
+
+    Per step the mask is prepared once (:class:`PreparedMask`): the first layer's call with a new
+    FlashMask object makes it (one agreement across ranks), every later layer, forward and backward,
+    reuses it; pass :meth:`prepare`'s result instead to choose the moment yourself.
     """
 
     mode: str
@@ -36,6 +42,7 @@ class ContextParallel:
     mesh: object = None
     impl: str | None = None
     stats: RingStats | None = None
+    _last: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.mode not in CP_MODES:
@@ -45,10 +52,35 @@ class ContextParallel:
         if self.mode == "hybrid" and self.mesh is None:
             raise ValueError("mesh: expected a 2-D DeviceMesh ('ring', 'ulysses') for mode='hybrid', got None")
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlashMask, scale=None) -> torch.Tensor:
+    def prepare(self, mask: FlashMask, device=None) -> PreparedMask:
+        """The step's prepared mask (collective: every rank calls it)."""
+        from fm_parallel.distributed.prepared import prepare
+
+        prepared = prepare(mask, self.plan, self.group, mesh=self.mesh if self.mode == "hybrid" else None, device=device)
+        self._last = (weakref.ref(mask), mask.fms._version, mask.fme._version, prepared)
+        return prepared
+
+    def _prepared(self, q, k, v, mask) -> PreparedMask:
+        """The prepared mask of ``mask``: the last one when it is the same object, unedited, else a new
+        one for this call's tensors (the agreement is then this call's)."""
+        if isinstance(mask, PreparedMask):
+            return mask
+        last = self._last
+        if last is not None and last[0]() is mask and isinstance(mask, FlashMask) \
+                and (mask.fms._version, mask.fme._version) == last[1:3]:
+            return last[3]
+        mesh = self.mesh if self.mode == "hybrid" else None
+        prepared, _, _ = for_call(q, k, v, mask, self.plan, self.group, mesh=mesh)
+        if isinstance(mask, FlashMask):
+            self._last = (weakref.ref(mask), mask.fms._version, mask.fme._version, prepared)
+        return prepared
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlashMask | PreparedMask,
+                  scale=None) -> torch.Tensor:
         """``[B, H, N / P, D]`` local tensors in, this rank's ``[B, Hq, N / P, Dv]`` rows out."""
+        prepared = self._prepared(q, k, v, mask)
         if self.mode == "ring":
-            return ring_attention(q, k, v, mask, self.plan, self.group, scale=scale, impl=self.impl, stats=self.stats)
+            return ring_attention(q, k, v, prepared, self.plan, self.group, scale=scale, impl=self.impl, stats=self.stats)
         if self.mode == "ulysses":
-            return ulysses_attention(q, k, v, mask, self.plan, self.group, scale=scale, impl=self.impl or "auto")
-        return hybrid_attention(q, k, v, mask, self.plan, self.mesh, scale=scale, impl=self.impl, stats=self.stats)
+            return ulysses_attention(q, k, v, prepared, self.plan, self.group, scale=scale, impl=self.impl)
+        return hybrid_attention(q, k, v, prepared, self.plan, self.mesh, scale=scale, impl=self.impl, stats=self.stats)

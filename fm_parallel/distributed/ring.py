@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from fm_parallel import launchers
-from fm_parallel.distributed.comm import RingComm, check_cp_inputs
+from fm_parallel import backends
 from fm_parallel.distributed.merge import merge
-from fm_parallel.distributed.sharding import ShardPlan, pair_counts
+from fm_parallel.distributed.prepared import PreparedMask, for_call
+from fm_parallel.distributed.sharding import ShardPlan
 from fm_parallel.masks.flashmask import FlashMask
 
 __all__ = ["ring_attention", "RingStats"]
@@ -38,34 +38,21 @@ class RingStats:
     visible_pairs: int = 0  # (query, key) pairs of this rank's queries, per mask row
 
 
-def _pair_table(mask: FlashMask, plan: ShardPlan) -> torch.Tensor:
-    key = ("pairs", mask.digest(), tuple(mask.fms.shape))
-    if key not in plan._cache:
-        plan._cache[key] = pair_counts(mask, plan.positions)
-    return plan._cache[key]
-
-
 class _Ring:
-    """State shared by the forward and backward of one call."""
+    """State shared by the forward and backward of one call; the step's derived data lives in ``prepared``."""
 
-    def __init__(self, mask, plan, group, scale, impl, table, stats):
-        self.comm = RingComm(group)
-        self.mask, self.plan, self.scale, self.impl, self.stats = mask, plan, scale, impl, stats
-        self.needed = (table > 0).tolist()  # needed[r][j]: rank r's queries see rank j's keys
+    def __init__(self, prepared: PreparedMask, comm, scale, backend, stats):
+        self.prepared, self.scale, self.backend, self.stats = prepared, scale, backend, stats
+        self.comm = comm  # RingComm (launch/bench/cp_layer_cost.py passes a one-process stand-in)
+        self.needed = prepared.needed  # needed[r][j]: rank r's queries see rank j's keys
         self.rank, self.world = self.comm.rank, self.comm.world_size
-        # A contiguous shard's rows are q_offset + arange: the kernels then build consecutive-row plans
-        # and cache them on the column masks, which are kept for the backward of the same call.
-        self.q_offset = int(plan.positions[self.rank][0]) if plan.balance == "contiguous" else None
-        self._columns: dict[int, FlashMask] = {}
 
-    def positions(self, rank: int, device) -> torch.Tensor:
-        return self.plan.positions[rank].to(device)
-
-    def columns(self, rank: int, device) -> FlashMask:
-        """The mask's columns of ``rank``'s keys (the same object in the forward and the backward)."""
-        if rank not in self._columns:
-            self._columns[rank] = self.mask.select_keys(self.positions(rank, device))
-        return self._columns[rank]
+    def launch_args(self, source: int) -> dict:
+        """The column mask of ``source``'s keys and how this rank's rows are named, for the kernels'
+        caches: consecutive rows by their offset, any other rows by the prepared mask's key."""
+        p = self.prepared
+        return dict(mask=p.columns(source), positions=p.rows, q_offset=p.q_offset,
+                    rows_key=None if p.q_offset is not None else p.rows_key)
 
     def post_kv(self, step: int, k: torch.Tensor, v: torch.Tensor):
         """Send my K/V to ``rank + step`` if it needs them; receive ``rank - step``'s if I do."""
@@ -104,15 +91,13 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring):
         device = q.device
-        pos = ring.positions(ring.rank, device)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=acc, device=device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=device)
         for _, src, chunk in ring.kv_chunks(k, v):
             if chunk is None:
                 continue
-            o, l = launchers.forward(q, chunk[0], chunk[1], ring.columns(src, device), pos, ring.scale, ring.impl,
-                                     q_offset=ring.q_offset)
+            o, l = ring.backend.forward(q, chunk[0], chunk[1], scale=ring.scale, **ring.launch_args(src))
             out, lse = merge(out, lse, o, l)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -124,7 +109,6 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring = ctx.ring
         device, me = q.device, ring.rank
-        pos = ring.positions(me, device)
         dout = dout.contiguous()
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         dq = torch.zeros(q.shape, dtype=acc, device=device)
@@ -134,9 +118,9 @@ class _RingAttention(torch.autograd.Function):
             dst = ring.comm.send_to(step)
             part = None
             if chunk is not None:
-                dq_s, dk_s, dv_s = launchers.backward(
+                dq_s, dk_s, dv_s = ring.backend.backward(
                     q, chunk[0], chunk[1], out, lse.float() if lse.dtype != torch.float64 else lse, dout,
-                    ring.columns(src, device), pos, ring.scale, ring.impl, q_offset=ring.q_offset,
+                    scale=ring.scale, **ring.launch_args(src),
                 )
                 dq += dq_s
                 part = (dk_s.contiguous(), dv_s.contiguous())
@@ -163,8 +147,8 @@ def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: FlashMask,
-    plan: ShardPlan,
+    mask: FlashMask | PreparedMask,
+    plan: ShardPlan | None = None,
     group=None,
     *,
     scale: float | None = None,
@@ -176,22 +160,31 @@ def ring_attention(
     Args:
         q: ``[B, Hq, N / P, D]``, this rank's queries in the order of ``plan.positions[rank]``;
             k, v: ``[B, Hkv, N / P, D | Dv]`` likewise.
-        mask: the full mask (``N`` key columns, global rows), the same on every rank.
-        plan: from :func:`fm_parallel.distributed.shard`, the same on every rank.
+        mask: the step's :class:`PreparedMask` (:func:`fm_parallel.distributed.prepare`, once per
+            step: the agreement, pair table, column masks and launch plans are then made once for
+            every layer), or the full FlashMask (``N`` key columns, global rows; prepared per call).
+        plan: from :func:`fm_parallel.distributed.shard`, the same on every rank (optional with a
+            prepared mask).
         group: the context-parallel process group (default: the world).
-        impl: local kernel, ``"cute"`` (Hopper, the [cute] extra), ``"triton"`` or ``"torch"`` (default: Triton on
-            CUDA, else PyTorch).
+        impl: the local kernel, resolved like ``flashmask_attention``'s (:mod:`fm_parallel.backends`):
+            ``"auto"`` / None, ``"cute"``, ``"triton"`` or ``"torch"``; others raise.
         stats: filled with this rank's transfers posted and skipped, bytes sent and visible pairs.
     Returns:
         ``[B, Hq, N / P, Dv]``: this rank's rows of the attention output. Differentiable.
     Raises:
-        ValueError: bad shapes, or ranks that disagree on shapes, plan or mask (raised on every rank).
+        ValueError: bad shapes, an unknown or unavailable impl, or ranks that disagree on shapes,
+            plan or mask (raised on every rank).
     """
-    world, rank = check_cp_inputs(q, k, v, mask, plan, group)
+    prepared, _, _ = for_call(q, k, v, mask, plan, group)
+    return _ring(q, k, v, prepared, group, scale, impl, stats)
+
+
+def _ring(q, k, v, prepared: PreparedMask, group, scale, impl, stats):
+    """The ring on an agreed prepared mask (hybrid calls it after its own agreement)."""
     d = q.shape[-1]
-    table = _pair_table(mask, plan)
     if stats is not None:
-        stats.visible_pairs += int(table[rank].sum())
+        stats.visible_pairs += int(prepared.table[prepared.rank].sum())
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    ring = _Ring(mask, plan, group, scale, launchers.resolve(impl, q.device), table, stats)
+    backend = backends.get(backends.resolve(impl, q.device, q.dtype, d, v.shape[-1], chunked=True))
+    ring = _Ring(prepared, prepared.comm(group), scale, backend, stats)
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring)

@@ -16,9 +16,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fm_parallel import backends
 from fm_parallel.attention import flashmask_attention
 from fm_parallel.distributed import comm
-from fm_parallel.distributed.comm import check_cp_inputs, wait_with_deadline
+from fm_parallel.distributed.comm import wait_with_deadline
+from fm_parallel.distributed.prepared import PreparedMask, for_call
 from fm_parallel.distributed.sharding import ShardPlan
 from fm_parallel.masks.flashmask import FlashMask
 
@@ -28,12 +30,16 @@ __all__ = ["ulysses_attention", "seq_to_heads", "heads_to_seq", "ulysses_heads"]
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     """all_to_all_single along dim 0 of a contiguous ``[P, ...]`` tensor."""
     x = x.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # not empty_like: that keeps x's strides
     if dist.get_backend(group) == "gloo":  # a blocking host exchange anyway: give it the agreement's deadline
-        wait_with_deadline([dist.all_to_all_single(out, x, group=group, async_op=True)], "Ulysses all-to-all",
+        # gloo moves host memory: GPU tensors travel through host copies (processes sharing one GPU,
+        # launch/bench/verify_cp_gpu.py); NCCL moves device memory directly.
+        host = x.to("cpu")
+        out = torch.empty(host.shape, dtype=host.dtype)  # not empty_like: that keeps x's strides
+        wait_with_deadline([dist.all_to_all_single(out, host, group=group, async_op=True)], "Ulysses all-to-all",
                            comm.AGREEMENT_TIMEOUT_S)
-    else:
-        dist.all_to_all_single(out, x, group=group)
+        return out.to(x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x, group=group)
     return out
 
 
@@ -120,33 +126,44 @@ def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: FlashMask,
-    plan: ShardPlan,
+    mask: FlashMask | PreparedMask,
+    plan: ShardPlan | None = None,
     group=None,
     *,
     scale: float | None = None,
-    impl: str = "auto",
+    impl: str | None = "auto",
 ) -> torch.Tensor:
     """FlashMask attention over a context-parallel group by head all-to-all (DeepSpeed-Ulysses style).
 
     Args:
         q: ``[B, Hq, N / P, D]``; k, v: ``[B, Hkv, N / P, D]``: this rank's tokens in the order of
             ``plan.positions[rank]``. ``Hq`` must divide by P; ``Hkv`` must divide by P or divide P.
-        mask: the full mask, the same on every rank. plan: the same on every rank.
-        impl: the local kernel (as for :func:`fm_parallel.flashmask_attention`).
+        mask: the step's :class:`PreparedMask` (made once per step, reused by every layer), or the
+            full FlashMask, the same on every rank. plan: the same on every rank (optional with a
+            prepared mask).
+        impl: the local kernel, resolved like ``flashmask_attention``'s (``"auto"`` / None,
+            ``"cute"``, ``"triton"``, ``"torch"``, ``"dense"``).
     Returns:
         ``[B, Hq, N / P, Dv]``, this rank's rows. Differentiable.
     """
-    world, rank = check_cp_inputs(q, k, v, mask, plan, group)
+    prepared, world, rank = for_call(q, k, v, mask, plan, group)
+    backends.resolve(impl, q.device, q.dtype, q.shape[-1], v.shape[-1])  # a bad name fails before the all-to-all
     hq, hkv = q.shape[1], k.shape[1]
     repeat = ulysses_heads(hq, hkv, world)
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     qh, kh, vh = (seq_to_heads(t, group) for t in (q, k, v))
-    # Sequence order around the kernel: contiguous rows, so its plans are simple and cached.
-    order = torch.cat(plan.positions).to(q.device)
-    inverse = torch.argsort(order)
+    # Sequence order around the kernel: contiguous rows, so its plans are simple and cached (on the
+    # prepared mask's head slice, made once per step).
+    order, inverse = prepared.derived(("ulysses order", q.device), lambda: _orders(prepared.plan, q.device))
+    local_mask = prepared.derived(("ulysses mask", rank, world, hq, hkv, repeat),
+                                  lambda: _rank_mask(prepared.mask, rank, world, hq, hkv, repeat))
     qs, ks, vs = (t.index_select(2, inverse) for t in (qh, kh, vh))
-    local_mask = _rank_mask(mask, rank, world, hq, hkv, repeat)
     out = flashmask_attention(qs, ks, vs, mask=local_mask, scale=scale, impl=impl)
     return heads_to_seq(out.index_select(2, order), group)
+
+
+def _orders(plan: ShardPlan, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's token order (rank 0's tokens, then rank 1's...) and its inverse, on ``device``."""
+    order = torch.cat(plan.positions).to(device)
+    return order, torch.argsort(order)

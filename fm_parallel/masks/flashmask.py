@@ -9,6 +9,7 @@ and the mask is never rewritten. Memory is O(N): ``2 * 4 * B * Hm * Nk * M`` byt
 from __future__ import annotations
 
 import hashlib
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,7 +61,7 @@ class FlashMask:
     Empty intervals are stored canonically as ``(num_rows, -1)``.
     """
 
-    __slots__ = ("fms", "fme", "num_rows", "_cache")
+    __slots__ = ("fms", "fme", "num_rows", "_cache", "__weakref__")
 
     def __init__(self, fms: torch.Tensor, fme: torch.Tensor, num_rows: int | None = None, *, validate: bool = True):
         fms, fme = _as_bounds("fms", fms), _as_bounds("fme", fme)
@@ -81,8 +82,16 @@ class FlashMask:
             fms = torch.where(empty, torch.full_like(fms, num_rows), fms)
             fme = torch.where(empty, torch.full_like(fme, -1), fme)
         self.fms, self.fme, self.num_rows = fms.contiguous(), fme.contiguous(), num_rows
-        # Derived data (block summaries, kernel plans) keyed by what they depend on; the bounds are never mutated.
+        # Derived data (block summaries, kernel plans) keyed by what they depend on and the bounds' versions.
         self._cache: dict = {}
+        _OWNERS.add(self)
+
+    @staticmethod
+    def owning(fms: torch.Tensor, fme: torch.Tensor, num_rows: int) -> "FlashMask | None":
+        """The live mask whose bounds are these tensors (the same memory, shape and strides: the
+        objects themselves or aliases of them, never copies), or None. Lets code that receives only
+        tensors (a ``torch.library`` op, forward and backward) find the mask's caches."""
+        return _OWNERS.find(fms, fme, num_rows)
 
     # ----------------------------------------------------------------- shape
     @property
@@ -211,7 +220,9 @@ class FlashMask:
         return self.cached(("summary", block), lambda: summarize(self, block))
 
     def cached(self, key, make):
-        """``make()``, computed once per mask and ``key`` (for data derived from the bounds alone)."""
+        """``make()``, computed once per mask and ``key`` (for data derived from the bounds alone).
+        Keyed on the bounds' version counters too: an in-place edit of ``fms`` / ``fme`` is a miss."""
+        key = (key, self.fms._version, self.fme._version)
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]
@@ -233,6 +244,45 @@ class FlashMask:
             visible_pairs=pairs,
             density=pairs / max(self.batch * self.heads * self.num_rows * self.num_keys, 1),
         )
+
+
+class _OwnerIndex:
+    """Weak index from bounds tensors to the live FlashMasks holding them.
+
+    Keyed on where the bounds' data sit (``data_ptr``, shape, device), because code that receives
+    only tensors may get other tensor objects over the same memory (AOT autograd hands the backward
+    an alias of a saved input). A hit is trusted only while its owner is alive and its own ``fms`` /
+    ``fme`` still sit there with the same shape and strides: a live tensor's memory cannot be reused,
+    so a dead owner or recycled memory is never a hit. Nothing is kept alive by the index. A builder
+    may wrap the same tensors twice: the latest live owner wins."""
+
+    def __init__(self, sweep_every: int = 4096):
+        self._entries: dict[tuple, list[weakref.ref]] = {}
+        self._sweep_every, self._added = sweep_every, 0
+
+    @staticmethod
+    def _key(fms: torch.Tensor, fme: torch.Tensor) -> tuple:
+        return fms.data_ptr(), fme.data_ptr(), tuple(fms.shape), str(fms.device)
+
+    def add(self, mask: "FlashMask") -> None:
+        key = self._key(mask.fms, mask.fme)
+        owners = [r for r in self._entries.get(key, ()) if r() is not None]
+        self._entries[key] = owners + [weakref.ref(mask)]
+        self._added += 1
+        if self._added % self._sweep_every == 0:
+            self._entries = {k: live for k, refs in self._entries.items() if (live := [r for r in refs if r() is not None])}
+
+    def find(self, fms: torch.Tensor, fme: torch.Tensor, num_rows: int) -> "FlashMask | None":
+        for ref in reversed(self._entries.get(self._key(fms, fme), ())):
+            mask = ref()
+            if (mask is not None and mask.num_rows == num_rows and self._key(mask.fms, mask.fme) == self._key(fms, fme)
+                    and mask.fms.stride() == fms.stride() and mask.fme.stride() == fme.stride()
+                    and mask.fms.dtype == fms.dtype and mask.fme.dtype == fme.dtype):
+                return mask
+        return None
+
+
+_OWNERS = _OwnerIndex()
 
 
 def _causal_documents(fms: torch.Tensor, fme: torch.Tensor, num_rows: int) -> tuple[int, ...] | None:

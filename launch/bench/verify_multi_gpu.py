@@ -1,22 +1,33 @@
-"""Context-parallel correctness on several GPUs (NCCL) or CPU ranks (gloo): one PASS/FAIL line per case.
+"""Context-parallel correctness on several GPUs (NCCL), on P ranks sharing one GPU, or on CPU ranks
+(gloo): one PASS/FAIL line per case.
 
     torchrun --nproc_per_node 8 launch/bench/verify_multi_gpu.py                      # H200s: N 32k and 128k
+    torchrun --nproc_per_node 4 launch/bench/verify_multi_gpu.py --virtual            # 4 ranks on ONE GPU
     torchrun --nproc_per_node 4 launch/bench/verify_multi_gpu.py --device cpu --ns 256 \\
-        --heads 8 --kv-heads 2 --head-dim 16 --dtype float64                          # mechanics on a CPU
+        --heads 8 --kv-heads 2 --head-dim 16 --dtype float64 --impls torch            # mechanics on a CPU
 
-For every mode (ring; Ulysses; hybrid ring x Ulysses where the world has at least 4 ranks), mask
-family (packed documents, DPO, sliding window + sinks, prefix-LM) and balance mode (contiguous,
-zigzag, mask), each rank runs forward + backward on its shard and compares its output and its
-q / k / v gradients with its slice of the single-device result on the same data (every rank
-computes that reference itself with the same kernel). Ring cases also check that the transfers this
-rank skipped equal the planner's count (from the exact pair table, no N x N mask). Ulysses with
-fewer KV heads than ranks exercises the KV-head replication. Rank 0 prints the lines and writes
-docs/benchmarks/verify_multi_gpu_<device>.json; the exit code is 1 if any case failed.
+``--virtual``: every rank is a process on the same GPU (``cuda:0``) and the process group is gloo;
+the ring's and Ulysses' GPU tensors travel through host copies (:class:`RingComm` stages them, the
+only difference from NCCL: transfers are slow and never overlap compute, which this script does not
+time). Everything else is the code that runs on several GPUs: the prepared mask, the pair table and
+transfer skipping, the kernels per chunk (column masks, explicit zigzag rows, FA4 block lists per
+chunk), the lse merge in the input dtype's accumulators, the backward's dK/dV return trip.
+
+For every local kernel (``--impls``), mode (ring; Ulysses; hybrid ring x Ulysses where the world
+has at least 4 ranks), mask family and balance mode (contiguous, zigzag, mask), each rank prepares
+the mask once (:func:`fm_parallel.distributed.prepare`), runs forward + backward on its shard and
+compares its output and q / k / v gradients with its slice of the single-device result of the same
+kernel on the same data (every rank computes that reference itself). Ring and hybrid cases also
+check that the transfers this rank skipped equal the planner's count (from the exact pair table, no
+N x N mask). Ulysses with fewer KV heads than ranks exercises the KV-head replication. Rank 0 prints
+the lines and writes docs/benchmarks/verify_multi_gpu_<device>_x<P>[_virtual].json; the exit code is
+1 if any case failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -40,10 +51,19 @@ def build_masks(n: int) -> dict:
     from fm_parallel import masks
 
     window = min(1024, max(n // 16, 4))
+    glob = min(64, max(n // 32, 1))
+    lens = masks.sample_lengths(n, mean=min(2048, max(n // 8, 8)))
+    response = (n - n // 2) // 4
     return {
-        "docs": masks.document(masks.sample_lengths(n, mean=min(2048, max(n // 8, 8)))),
+        "causal": masks.causal(n),
+        "docs": masks.document(lens),
+        "docs_bidirectional": masks.document(lens, causal=False),
         "dpo": masks.dpo(n // 2, n // 4, n - n // 2 - n // 4),
+        "rm4": masks.preference(n // 2, [response] * 3 + [n - n // 2 - 3 * response]),
         "sliding_sinks": masks.sliding_window(n, window, sinks=4),
+        # Global tokens (the first rows see every key) and a sliding window: two intervals per column.
+        "global_window": masks.union(masks.sliding_window(n, window, sinks=glob),
+                                     masks.FlashMask(torch.zeros(n, dtype=torch.int32), torch.full((n,), glob - 1))),
         "prefix_lm": masks.prefix_lm(n, n // 4),
     }
 
@@ -71,96 +91,121 @@ def modes(world: int, heads: int) -> list[tuple[str, int]]:
 
 
 def run_case(mode, uly, mask, plan, q, k, v, dout, ref, mesh, rank, impl):
-    from fm_parallel.distributed import RingStats, hybrid_attention, ring_attention, ulysses_attention
+    from fm_parallel.distributed import RingStats, hybrid_attention, prepare, ring_attention, ulysses_attention
 
     ql, kl, vl = (plan.shard(t.detach(), rank, 2).requires_grad_() for t in (q, k, v))
     stats = RingStats()
+    # Prepared once, as the trainer does per step (one agreement, the pair table, column masks).
+    prepared = prepare(mask, plan, mesh=mesh) if mode == "hybrid" else prepare(mask, plan)
     if mode == "ring":
-        out = ring_attention(ql, kl, vl, mask, plan, stats=stats, impl=impl)
+        out = ring_attention(ql, kl, vl, prepared, plan, stats=stats, impl=impl)
     elif mode == "ulysses":
-        out = ulysses_attention(ql, kl, vl, mask, plan, impl=impl or "auto")
+        out = ulysses_attention(ql, kl, vl, prepared, plan, impl=impl)
     else:
-        out = hybrid_attention(ql, kl, vl, mask, plan, mesh, stats=stats, impl=impl)
+        out = hybrid_attention(ql, kl, vl, prepared, plan, mesh, stats=stats, impl=impl)
     out.backward(plan.shard(dout, rank, 2))
     errors = {}
     for name, got, want in (("out", out, ref[0]), ("dq", ql.grad, ref[1]), ("dk", kl.grad, ref[2]), ("dv", vl.grad, ref[3])):
         want = plan.shard(want, rank, 2)
-        scale = want.float().abs().max().item() or 1.0
-        errors[name] = (got.float() - want.float()).abs().max().item() / scale
+        # In float64: a float32 difference would round float64 results' differences away (it read 0.0).
+        scale = want.double().abs().max().item() or 1.0
+        errors[name] = (got.double() - want.double()).abs().max().item() / scale
     return errors, stats
+
+
+def hybrid_expected_skips(mask, plan, mesh) -> int:
+    """The hybrid ring's skips for this rank: the ring runs over Ulysses groups with the group plan."""
+    from fm_parallel.distributed.hybrid import group_plan
+    from fm_parallel.distributed.sharding import pair_counts
+
+    ring_plan, _ = group_plan(plan, mesh["ring"].size(), mesh["ulysses"].size())
+    return expected_skips(pair_counts(mask, ring_plan.positions), mesh.get_local_rank("ring"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--virtual", action="store_true",
+                        help="every rank on cuda:0, gloo process group, host-staged transfers (one GPU)")
     parser.add_argument("--ns", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
-    parser.add_argument("--masks", nargs="+", default=["docs", "dpo", "sliding_sinks", "prefix_lm"])
+    parser.add_argument("--masks", nargs="+", default=["causal", "docs", "docs_bidirectional", "dpo", "rm4",
+                                                       "sliding_sinks", "global_window", "prefix_lm"])
     parser.add_argument("--balances", nargs="+", default=["contiguous", "zigzag", "mask"])
-    parser.add_argument("--impl", default=None, help="local kernel (default: Triton on CUDA, PyTorch on CPU)")
+    parser.add_argument("--impls", nargs="+", default=["auto"],
+                        help="local kernels, each resolved like flashmask_attention's (auto: CuTe on Hopper with "
+                             "the [cute] extra, else Triton; PyTorch on CPU)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
 
-    from fm_parallel import flashmask_attention
+    from fm_parallel import backends, flashmask_attention
     from fm_parallel.distributed import shard
     from fm_parallel.distributed.sharding import pair_counts
 
-    rank, world, device, mesh = init_ranks(args.device)
+    rank, world, device, mesh = init_ranks(args.device, virtual=args.virtual)
     cuda = device.type == "cuda"
-    dtype, impl = DTYPES[args.dtype], args.impl
+    dtype = DTYPES[args.dtype]
     results, failed = [], 0
-    for n in args.ns:
-        families = build_masks(n)
-        for mask_name in args.masks:
-            mask = families[mask_name].to(device)
-            torch.manual_seed(n + len(mask_name))
-            q = torch.randn(1, args.heads, n, args.head_dim, device=device, dtype=dtype, requires_grad=True)
-            k = torch.randn(1, args.kv_heads, n, args.head_dim, device=device, dtype=dtype, requires_grad=True)
-            v = torch.randn(1, args.kv_heads, n, args.head_dim, device=device, dtype=dtype, requires_grad=True)
-            dout = torch.randn(1, args.heads, n, args.head_dim, device=device, dtype=dtype)
-            single = flashmask_attention(q, k, v, mask=mask, impl=impl or ("triton" if cuda else "torch"))
-            single.backward(dout)
-            ref = (single.detach(), q.grad, k.grad, v.grad)
-            for balance in args.balances:
-                plan = shard(mask.to("cpu"), world, balance)
-                table = pair_counts(mask.to("cpu"), plan.positions)
-                for mode, uly in modes(world, args.heads):
-                    t0 = time.perf_counter()
-                    try:
-                        errors, stats = run_case(mode, uly, mask, plan, q, k, v, dout, ref, mesh, rank, impl)
-                        row = {"errors": errors, "skipped": stats.transfers_skipped, "posted": stats.transfers_posted}
-                        if mode == "ring":
-                            row["expected_skipped"] = expected_skips(table, rank)
-                    except Exception as e:  # noqa: BLE001 - reported as a failed case, the others still run
-                        row = {"exception": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
-                    row["seconds"] = time.perf_counter() - t0
-                    gathered = [None] * world
-                    dist.all_gather_object(gathered, row)
-                    case = {"n": n, "mask": mask_name, "balance": balance, "mode": mode, "ulysses": uly,
-                            "heads": args.heads, "kv_heads": args.kv_heads, "dtype": args.dtype, "ranks": gathered}
-                    tol = TOLERANCE[dtype]
-                    ok = all("exception" not in r and max(r["errors"].values()) <= tol
-                             and r.get("expected_skipped", r["skipped"]) == r["skipped"] for r in gathered)
-                    case["pass"] = ok
-                    failed += not ok
-                    results.append(case)
-                    if rank == 0:
-                        worst = max((max(r["errors"].values()) for r in gathered if "errors" in r), default=float("nan"))
-                        skip = sum(r.get("skipped", 0) for r in gathered)
-                        note = next((r["exception"] for r in gathered if "exception" in r), "")
-                        print(f"{'PASS' if ok else 'FAIL'} n={n} mask={mask_name} balance={balance} mode={mode} world={world} "
-                              f"worst_rel_err={worst:.2e} (tol {tol:.0e}) skipped={skip} {note}", flush=True)
-            del q, k, v, dout, single, ref
+    families: dict = {}
+    for impl, n, mask_name in itertools.product(args.impls, args.ns, args.masks):
+        resolved = backends.resolve(impl, device, dtype, args.head_dim)
+        if n not in families:
+            families[n] = build_masks(n)
+        mask = families[n][mask_name].to(device)
+        torch.manual_seed(n + len(mask_name))
+        q = torch.randn(1, args.heads, n, args.head_dim, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(1, args.kv_heads, n, args.head_dim, device=device, dtype=dtype, requires_grad=True)
+        v = torch.randn(1, args.kv_heads, n, args.head_dim, device=device, dtype=dtype, requires_grad=True)
+        dout = torch.randn(1, args.heads, n, args.head_dim, device=device, dtype=dtype)
+        single = flashmask_attention(q, k, v, mask=mask, impl=resolved)
+        single.backward(dout)
+        ref = (single.detach(), q.grad, k.grad, v.grad)
+        for balance in args.balances:
+            plan = shard(mask.to("cpu"), world, balance)
+            table = pair_counts(mask.to("cpu"), plan.positions)
+            for mode, uly in modes(world, args.heads):
+                t0 = time.perf_counter()
+                try:
+                    errors, stats = run_case(mode, uly, mask, plan, q, k, v, dout, ref, mesh, rank, impl)
+                    row = {"errors": errors, "skipped": stats.transfers_skipped, "posted": stats.transfers_posted}
+                    if mode == "ring":
+                        row["expected_skipped"] = expected_skips(table, rank)
+                    elif mode == "hybrid":
+                        row["expected_skipped"] = hybrid_expected_skips(mask.to("cpu"), plan, mesh)
+                except Exception as e:  # noqa: BLE001 - reported as a failed case, the others still run
+                    row = {"exception": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+                row["seconds"] = time.perf_counter() - t0
+                gathered = [None] * world
+                dist.all_gather_object(gathered, row)
+                case = {"impl": impl, "kernel": resolved, "n": n, "mask": mask_name, "balance": balance,
+                        "mode": mode, "ulysses": uly,
+                        "heads": args.heads, "kv_heads": args.kv_heads, "dtype": args.dtype, "ranks": gathered}
+                tol = TOLERANCE[dtype]
+                ok = all("exception" not in r and max(r["errors"].values()) <= tol
+                         and r.get("expected_skipped", r["skipped"]) == r["skipped"] for r in gathered)
+                case["pass"] = ok
+                failed += not ok
+                results.append(case)
+                if rank == 0:
+                    worst = max((max(r["errors"].values()) for r in gathered if "errors" in r), default=float("nan"))
+                    skip = sum(r.get("skipped", 0) for r in gathered)
+                    note = next((r["exception"] for r in gathered if "exception" in r), "")
+                    print(f"{'PASS' if ok else 'FAIL'} kernel={resolved} n={n} mask={mask_name} balance={balance} mode={mode} world={world} "
+                          f"worst_rel_err={worst:.2e} (tol {tol:.0e}) skipped={skip} {note}", flush=True)
+        del q, k, v, dout, single, ref
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         cmd = f"torchrun --nproc_per_node {world} launch/bench/verify_multi_gpu.py " + " ".join(sys.argv[1:])
         name = torch.cuda.get_device_name(device) if cuda else "cpu"
-        (args.out / f"verify_multi_gpu_{device.type}_x{world}.json").write_text(
-            json.dumps({"command": cmd, "device": name, "world": world, "cases": results}, indent=1))
-        print(f"{len(results) - failed} of {len(results)} cases passed on {world} x {name}")
+        where = f"{world} ranks sharing one {name} (gloo, host-staged transfers)" if args.virtual else f"{world} x {name}"
+        suffix = "_virtual" if args.virtual else ""
+        (args.out / f"verify_multi_gpu_{device.type}_x{world}{suffix}.json").write_text(
+            json.dumps({"command": cmd, "device": name, "world": world, "virtual": args.virtual, "where": where,
+                        "cases": results}, indent=1))
+        print(f"{len(results) - failed} of {len(results)} cases passed on {where}")
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
 

@@ -203,22 +203,18 @@ def test_a_rank_that_stops_inside_the_ring_gives_a_clear_error_not_a_hang():
     assert first["seconds"] < 10, first
 
 
-def test_the_local_kernel_name_follows_flashmask_attentions_device_rule(monkeypatch):
-    """launchers.resolve shares flashmask_attention's rule: Triton on CPU tensors only under the
-    interpreter (TRITON_INTERPRET=1, not merely set), CuTe never; FM_LOCAL_IMPL=auto is the default."""
-    from fm_parallel import launchers
+def test_the_ring_kernel_name_follows_flashmask_attentions_device_rule(monkeypatch):
+    """One resolver (fm_parallel.backends) for every entry point: Triton on CPU tensors only under the
+    interpreter (TRITON_INTERPRET=1, not merely set), CuTe never; None is auto."""
+    from fm_parallel import backends
 
     cpu = torch.device("cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     for name in ("triton", "cute"):
         with pytest.raises(ValueError, match=f"impl: '{name}' needs CUDA tensors"):
-            launchers.resolve(name, cpu)
+            backends.resolve(name, cpu, chunked=True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert launchers.resolve("triton", cpu) == "triton"
+    assert backends.resolve("triton", cpu, chunked=True) == "triton"
     with pytest.raises(ValueError, match="impl: 'cute' needs CUDA tensors"):
-        launchers.resolve("cute", cpu)
-    monkeypatch.setenv("FM_LOCAL_IMPL", "auto")  # recursed for ever before
-    assert launchers.resolve(None, cpu) == launchers.resolve("auto", cpu) == "torch"
-    monkeypatch.setenv("FM_LOCAL_IMPL", "bogus")
-    with pytest.raises(ValueError, match="impl: expected one of"):
-        launchers.resolve("auto", cpu)
+        backends.resolve("cute", cpu, chunked=True)
+    assert backends.resolve(None, cpu, chunked=True) == backends.resolve("auto", cpu, chunked=True) == "torch"

@@ -131,11 +131,22 @@ def test_ranks_that_disagree_raise_instead_of_hanging(fn, message):
 
 def ring_triton_cases(rank, world):
     """The ring with the Triton kernels (the interpreter here): contiguous shards take the
-    consecutive-row plans (q_offset), zigzag shards the explicit-row ones."""
+    consecutive-row plans (q_offset), zigzag shards the explicit-row ones, cached on the prepared
+    mask's column masks under its rows key. Two "layers" on one prepared mask: the second builds no
+    plan, no column mask and runs no agreement."""
     from fm_parallel import flashmask_attention, masks
-    from fm_parallel.distributed import ring_attention, shard
-    from fm_parallel.distributed.ring import _Ring
+    from fm_parallel.distributed import prepare, ring_attention, shard
+    from fm_parallel.kernels import triton_flashmask
 
+    builds = {"plans": 0}
+    for name in ("build_plan", "build_plans_consecutive"):
+        real = getattr(triton_flashmask, name)
+
+        def counted(*a, _real=real, **kw):
+            builds["plans"] += 1
+            return _real(*a, **kw)
+
+        setattr(triton_flashmask, name, counted)
     mask = masks.union(masks.document([30, 50, 48]), masks.sliding_window(N, 8))
     torch.manual_seed(1)
     q = torch.randn(1, HQ, N, D, requires_grad=True)
@@ -147,12 +158,17 @@ def ring_triton_cases(rank, world):
     results = {}
     for balance in ("contiguous", "zigzag"):
         plan = shard(mask, world, balance=balance)
-        ql, kl, vl = (plan.shard(t.detach(), rank, dim=2).requires_grad_() for t in (q, k, v))
-        out = ring_attention(ql, kl, vl, mask, plan, impl="triton")
-        out.backward(plan.shard(dout, rank, dim=2))
-        ring = _Ring(mask, plan, None, 1.0, "triton", torch.ones(world, world), None)
-        results[f"{balance}/state"] = {"q_offset": ring.q_offset, "first_row": int(plan.positions[rank][0]),
-                                       "same_columns": ring.columns(0, "cpu") is ring.columns(0, "cpu")}
+        prepared = prepare(mask, plan)
+        per_layer = []
+        for layer in range(2):
+            before = (builds["plans"], prepared.counters["columns"], prepared.counters["agreements"])
+            ql, kl, vl = (plan.shard(t.detach(), rank, dim=2).requires_grad_() for t in (q, k, v))
+            out = ring_attention(ql, kl, vl, prepared, impl="triton")
+            out.backward(plan.shard(dout, rank, dim=2))
+            per_layer.append([a - b for a, b in zip((builds["plans"], prepared.counters["columns"],
+                                                     prepared.counters["agreements"]), before)])
+        results[f"{balance}/state"] = {"q_offset": prepared.q_offset, "first_row": int(plan.positions[rank][0]),
+                                       "per_layer": per_layer}
         results[balance] = {
             "out": (out - plan.shard(ref.detach(), rank, 2)).abs().max().item(),
             "dq": (ql.grad - plan.shard(q.grad, rank, 2)).abs().max().item(),
@@ -169,8 +185,9 @@ def test_ring_with_triton_kernels_on_contiguous_and_zigzag_shards():
         for balance in ("contiguous", "zigzag"):
             for name, err in res[balance].items():
                 assert err < 1e-4, f"rank {rank} {balance}: {name} differs by {err}"
-            state = res[f"{balance}/state"]
-            assert state["same_columns"]  # the backward reuses the forward's column mask (and its plans)
+            first, second = res[f"{balance}/state"]["per_layer"]
+            assert first[0] > 0 and first[1] > 0 and first[2] == 1, first  # plans, column masks, one agreement
+            assert second == [0, 0, 0], second  # the next layer reuses all of it
         # Contiguous rows get their offset (consecutive-row plans); zigzag rows are explicit.
         assert res["contiguous/state"]["q_offset"] == res["contiguous/state"]["first_row"] == rank * N // 2
         assert res["zigzag/state"]["q_offset"] is None

@@ -1,0 +1,188 @@
+"""A step's mask as one context-parallel rank uses it: prepared once, reused by every layer.
+
+A training step runs attention once per layer, forward and backward, all under the same mask and
+plan. Everything derived from them is made here once per step, where the row is sharded (after the
+data loader), and every layer reuses it:
+
+* the agreement: the mask's and the plan's digests (BLAKE2b of the bounds and positions) and the
+  call's shapes / dtype / device are compared across ranks once per step and shape signature (one
+  small all-gather), not per layer;
+* the ring's exact pair table and what each rank needs from each other rank;
+* this rank's query rows on the device (int32, as the kernels read them) and, per source rank, the
+  column mask of that rank's keys;
+* the launch plans / FA4 block lists of every (source chunk, this rank's rows): built by the first
+  layer that needs them and cached on those column masks (keyed by this rank, ``rows_key``), so
+  layers 2..L, and the backward, find them;
+* Ulysses' sequence order and this rank's head slice of the mask; hybrid's group plan and the inner
+  ring's prepared mask.
+
+``ring_attention`` / ``ulysses_attention`` / ``hybrid_attention`` take a PreparedMask wherever they
+take a FlashMask; given a bare FlashMask they prepare one per call (correct, and what a one-off
+call wants, but a collective and the plan builds per call).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fm_parallel.distributed.comm import RingComm, check_agreement, check_cp_inputs
+from fm_parallel.distributed.sharding import ShardPlan, pair_counts
+from fm_parallel.masks.flashmask import FlashMask
+
+__all__ = ["PreparedMask", "prepare", "for_call"]
+
+
+class PreparedMask:
+    """What one rank derives from ``(mask, plan)`` for a step. Build with :func:`prepare`.
+
+    Attributes:
+        mask: the full mask on the rank's device. plan: the :class:`ShardPlan`.
+        rank: this rank's index in ``plan.positions``. world: ``plan.world_size``.
+        table: ``[P, P]`` int64 visible pairs (rank r's queries, rank j's keys), on the CPU.
+        needed: ``needed[r][j]``, rank r's queries see rank j's keys.
+        rows: this rank's global query rows, ``[N / P]`` int32 on the device.
+        q_offset: ``rows[0]`` when the rows are consecutive (contiguous balance), else None.
+        counters: how often derived data was built (``columns``, ``agreements``), for tests and benchmarks.
+    """
+
+    def __init__(self, mask: FlashMask, plan: ShardPlan, rank: int, device: torch.device, groups: list | None,
+                 mesh=None):
+        self.mask, self.plan, self.rank, self.device = mask, plan, rank, device
+        self.world = plan.world_size
+        self.groups, self.mesh = groups, mesh
+        self.table = pair_counts(mask, plan.positions)
+        self.needed = (self.table > 0).tolist()
+        self.rows = plan.positions[rank].to(device=device, dtype=torch.int32)
+        self.q_offset = int(plan.positions[rank][0]) if plan.balance == "contiguous" else None
+        # The launch plans of this rank's rows are cached on the column masks under this key (the rows
+        # never change for the prepared object's lifetime, whatever the balance mode).
+        self.rows_key = ("prepared rows", rank, plan.digest())
+        self.counters = {"columns": 0, "agreements": 0}
+        self._columns: dict[int, FlashMask] = {}
+        self._agreed: dict[tuple, tuple[int, int]] = {}
+        self._derived: dict = {}
+        self._comm: RingComm | None = None
+
+    def __repr__(self) -> str:
+        return (f"PreparedMask(rank={self.rank}/{self.world}, N={self.plan.num_tokens}, balance={self.plan.balance!r}, "
+                f"mask={self.mask!r})")
+
+    # ------------------------------------------------------------------ ring
+    def columns(self, source: int) -> FlashMask:
+        """The mask's columns of rank ``source``'s keys (rows stay global), made once."""
+        if source not in self._columns:
+            self._columns[source] = self.mask.select_keys(self.plan.positions[source].to(self.device))
+            self.counters["columns"] += 1
+        return self._columns[source]
+
+    def comm(self, group) -> RingComm:
+        if self._comm is None or self._comm.group is not group:
+            self._comm = RingComm(group)
+        return self._comm
+
+    def derived(self, key, make):
+        """``make()`` once per prepared mask and ``key`` (Ulysses' order, head slices, hybrid plans)."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
+
+    # ------------------------------------------------------------- agreement
+    def agree(self, q, k, v, group, *, plan=None, groups: list | None = None) -> tuple[int, int]:
+        """All ranks agree on the shapes, dtype, device type, mask and plan, once per step and shape
+        signature; later layers with the same signature skip the collective. Returns ``(world, rank)``.
+
+        A call whose ``plan`` or group does not match what the mask was prepared with fails on every
+        rank (it joins the agreement with its problem)."""
+        signature = tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else type(t)
+                          for t in (q, k, v))
+        key = (signature, id(group), tuple(id(g) for g in groups) if groups else None)
+        if key not in self._agreed:
+            problem = None
+            if plan is not None and plan is not self.plan and (not isinstance(plan, ShardPlan) or plan.digest() != self.plan.digest()):
+                problem = "plan: expected the plan the mask was prepared with (or None), got a different plan"
+            elif groups is None and dist.get_rank(group) != self.rank:
+                problem = (f"group: expected the group the mask was prepared for (rank {self.rank} there), got rank "
+                           f"{dist.get_rank(group)} in this group")
+            world = self.world if groups is not None else None
+            self._agreed[key] = check_cp_inputs(q, k, v, self.mask, self.plan, group, groups=groups, world=world,
+                                                problem=problem)
+            self.counters["agreements"] += 1
+        return self._agreed[key]
+
+    def agreed(self, q, k, v, group, result: tuple[int, int], *, groups: list | None = None) -> None:
+        """Record an agreement made elsewhere for this signature (a bare-mask call that checked first)."""
+        signature = tuple((tuple(t.shape), t.dtype, t.device.type) for t in (q, k, v))
+        self._agreed[(signature, id(group), tuple(id(g) for g in groups) if groups else None)] = result
+
+
+def _plan_rank(plan: ShardPlan, group, mesh) -> int:
+    if mesh is not None:
+        return mesh.get_local_rank("ring") * mesh["ulysses"].size() + mesh.get_local_rank("ulysses")
+    return dist.get_rank(group)
+
+
+def prepare(mask: FlashMask, plan: ShardPlan, group=None, *, mesh=None, device=None) -> PreparedMask:
+    """Prepare ``mask`` under ``plan`` for this rank, once per step; pass the result to the attention
+    of every layer in place of the mask. Collective: every rank of the group (grid) calls it, and a
+    rank whose mask or plan is bad, or differs from its peers', makes every rank raise the same error.
+
+    Args:
+        mask: the full FlashMask (``N`` key columns, global rows), the same on every rank.
+        plan: from :func:`fm_parallel.distributed.shard`, the same on every rank.
+        group: the context-parallel group (ring, Ulysses; default: the world).
+        mesh: the 2-D ``("ring", "ulysses")`` DeviceMesh instead (hybrid).
+        device: where the layers' q / k / v live (default: the mask's device); the mask is moved there.
+    Raises:
+        ValueError: a bad or disagreeing mask or plan (named), or no initialised process group.
+    """
+    return _prepare(mask, plan, group, mesh=mesh, device=device, check=True)
+
+
+def _prepare(mask, plan, group=None, *, mesh=None, device=None, check: bool) -> PreparedMask:
+    if not dist.is_initialized():
+        raise ValueError("group: expected an initialised torch.distributed process group, got none")
+    groups = None
+    if mesh is not None:
+        names = getattr(mesh, "mesh_dim_names", None)
+        if names is None or tuple(names) != ("ring", "ulysses"):
+            raise ValueError(f"mesh: expected a 2-D DeviceMesh with dims ('ring', 'ulysses'), got dims {names}")
+        groups = [mesh.get_group("ulysses"), mesh.get_group("ring")]
+    world = mesh.size() if mesh is not None else dist.get_world_size(group)
+    rank = _plan_rank(group, mesh)
+    problem = None
+    if not isinstance(mask, FlashMask):
+        problem = f"mask: expected a FlashMask, got {type(mask).__name__}"
+    elif not isinstance(plan, ShardPlan) or plan.world_size != world:
+        got = plan.world_size if isinstance(plan, ShardPlan) else type(plan).__name__
+        problem = f"plan: expected a ShardPlan for the group's {world} ranks, got {got}"
+    elif mask.num_keys != plan.num_tokens:
+        problem = f"mask: expected a FlashMask with {plan.num_tokens} key columns (the plan's N), got {mask.num_keys}"
+    if check:
+        values = [0, 0] if problem else [mask.digest(), plan.digest()]
+        check_agreement(values, ["mask", "plan"], group, problem=problem, groups=groups)
+    elif problem:
+        raise ValueError(problem)
+    device = mask.device if device is None else torch.device(device)
+    return PreparedMask(mask.to(device), plan, rank, device, groups, mesh)
+
+
+def _plan_rank(group, mesh) -> int:
+    if mesh is not None:
+        return mesh.get_local_rank("ring") * mesh["ulysses"].size() + mesh.get_local_rank("ulysses")
+    return dist.get_rank(group)
+
+
+def for_call(q, k, v, mask, plan, group=None, *, mesh=None) -> tuple[PreparedMask, int, int]:
+    """The prepared mask of one attention call and ``(world, rank)``: ``mask`` itself when prepared
+    (agreed once per signature), else one prepared for this call after the full per-call agreement."""
+    groups = [mesh.get_group("ulysses"), mesh.get_group("ring")] if mesh is not None else None
+    agree_group = None if mesh is not None else group
+    if isinstance(mask, PreparedMask):
+        world, rank = mask.agree(q, k, v, agree_group, plan=plan, groups=groups)
+        return mask, world, rank
+    world = mesh.size() if mesh is not None else None
+    result = check_cp_inputs(q, k, v, mask, plan, agree_group, groups=groups, world=world)
+    prepared = _prepare(mask, plan, group, mesh=mesh, device=q.device, check=False)
+    prepared.agreed(q, k, v, agree_group, result, groups=groups)
+    return prepared, *result

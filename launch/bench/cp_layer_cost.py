@@ -1,0 +1,369 @@
+"""What one attention layer costs each context-parallel rank, measured on ONE GPU, and what that
+predicts for P GPUs.
+
+    python launch/bench/cp_layer_cost.py                                   # H200: P 2 4 8, N 128k-1M
+    python launch/bench/cp_layer_cost.py --device cpu --ns 512 --ps 2 --heads 4 --kv-heads 2 \\
+        --head-dim 16 --dtype float32 --layers 2 --impl torch                 # mechanics on a CPU
+
+For every (mask family, N, P, balance) and every rank r of P, this process runs rank r's real ring
+code (``fm_parallel.distributed.ring``: the prepared mask, transfer skipping, the local kernel per
+received chunk, the lse merge, the backward's dK/dV return) with a one-process stand-in for the
+transport (:class:`Loopback`: a received chunk is a device-to-device copy of the sender's tensor,
+timed apart as "copy"). Per layer (forward + backward) it measures:
+
+* kernel time per ring step (CUDA events around each launcher call) and in all (the profiler's
+  device time: attention kernels, merges and accumulations, transfer stand-in copies);
+* host time: the Python time of a layer launched while the GPU is kept busy (``torch.cuda._sleep``),
+  so nothing waits for the GPU; a layer that synchronises shows up as host time >= the sleep, and is
+  reported (``host_syncs``);
+* before / after the prepared mask: "per call" prepares the mask in every layer (pair table, column
+  masks, launch plans: what each call did before issue 20), "prepared" once per step. The per-call
+  agreement collective is not in "per call" (one process has no peers); on NCCL it added an
+  all-gather and a host synchronisation per layer.
+
+The scaling model (written with its assumptions to ``--out/cp_scaling_model_<device>.json`` and
+``.md``): per rank and ring step, the measured kernel time against the transfer time of the bytes
+that step moves (K/V forward; K/V again and dK/dV back in the backward) at ``--link-gbs`` GB/s per
+direction, each step overlapping its compute with the next step's transfer, as the ring posts them;
+a layer ends when the slowest rank does. Predicted effective TF/GPU (visible pairs, 3.5 x forward
+FLOPs for forward + backward) against the single-GPU kernel on the whole sequence, same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from launch.bench.ranks import DTYPES  # noqa: E402
+
+
+class Loopback:
+    """Rank ``rank`` of ``world`` in one process: what the ring asks of :class:`RingComm`. A receive is
+    a copy of the peer's tensor of the same role (its K / V, or stand-in gradients of the same shape)."""
+
+    def __init__(self, rank: int, world: int, chunks: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.rank, self.world_size, self.chunks = rank, world, chunks
+
+    def send_to(self, step: int) -> int:
+        return (self.rank + step) % self.world_size
+
+    def recv_from(self, step: int) -> int:
+        return (self.rank - step) % self.world_size
+
+    def exchange(self, sends, recvs):
+        for i, (buf, peer) in enumerate(recvs):
+            buf.copy_(self.chunks[peer][i % 2])
+        return None
+
+    def wait(self, pending) -> None:
+        return None
+
+
+class StepTimer:
+    """A backend whose launchers are timed per call with CUDA events (kernel time per ring step)."""
+
+    def __init__(self, backend, record: bool):
+        self.backend, self.record, self.events = backend, record, []
+
+    def _timed(self, kind, fn, *args, **kwargs):
+        if not self.record:
+            return fn(*args, **kwargs)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn(*args, **kwargs)
+        end.record()
+        self.events.append((kind, start, end))
+        return out
+
+    def forward(self, *args, **kwargs):
+        return self._timed("fwd", self.backend.forward, *args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        return self._timed("bwd", self.backend.backward, *args, **kwargs)
+
+    def step_ms(self) -> dict:
+        torch.cuda.synchronize()
+        out = {"fwd": [], "bwd": []}
+        for kind, start, end in self.events:
+            out[kind].append(start.elapsed_time(end))
+        self.events.clear()
+        return out
+
+
+def build_masks(n: int) -> dict:
+    from fm_parallel import masks
+
+    lens = masks.sample_lengths(n, mean=min(2048, max(n // 8, 8)))
+    window = min(2048, max(n // 16, 4))
+    return {
+        "docs": masks.document(lens),
+        "dpo": masks.dpo(n // 2, n // 4, n - n // 2 - n // 4),
+        "sliding_sinks": masks.sliding_window(n, window, sinks=8),
+        "causal": masks.causal(n),
+    }
+
+
+def rank_layer(args, mask, plan, rank, q, k, v, dout, impl, per_call: bool, timer_record: bool, device):
+    """One layer (forward + backward) of ``rank``'s ring on this process; returns the step timer."""
+    from fm_parallel import backends
+    from fm_parallel.distributed.prepared import PreparedMask
+    from fm_parallel.distributed.ring import RingStats, _Ring, _RingAttention
+
+    world = plan.world_size
+    chunks = [(plan.shard(k, r, 2), plan.shard(v, r, 2)) for r in range(world)]
+    ql = plan.shard(q, rank, 2).detach().requires_grad_()
+    kl, vl = (t.detach().requires_grad_() for t in chunks[rank])
+    dl = plan.shard(dout, rank, 2)
+    backend = StepTimer(backends.get(impl), timer_record)
+    state = {"prepared": None}
+
+    def layer():
+        prepared = state["prepared"]
+        if prepared is None or per_call:
+            prepared = PreparedMask(mask, plan, rank, device, None)
+            state["prepared"] = prepared
+        ring = _Ring(prepared, Loopback(rank, world, chunks), 1.0 / math.sqrt(q.shape[-1]), backend, RingStats())
+        out = _RingAttention.apply(ql, kl, vl, ring)
+        out.backward(dl)
+        return ring.stats
+
+    return layer, backend
+
+
+def profile_ms(fn, calls: int) -> dict:
+    """Device time per call: everything, and the transfer stand-ins (device-to-device memcpy)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total = copy = 0.0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.device_time_total <= 0:
+            continue
+        total += e.device_time_total / 1e3
+        if "memcpy" in e.name.lower():
+            copy += e.device_time_total / 1e3
+    return {"total": total / calls, "copy": copy / calls}
+
+
+def host_ms(fn, calls: int, sleep_ms: float) -> tuple[float, bool]:
+    """Host time per call while the GPU is busy for ``sleep_ms`` first; True if a call waited for it."""
+    torch.cuda.synchronize()
+    cycles = int(sleep_ms * 1.98e6)  # the H200's SM clock is about 1.98 GHz
+    times = []
+    for _ in range(calls):
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+        torch.cuda.synchronize()
+    median = sorted(times)[len(times) // 2]
+    return median, median >= 0.8 * sleep_ms
+
+
+def single_gpu_ms(mask, q, k, v, dout, impl, reps: int) -> float:
+    from fm_parallel import flashmask_attention
+
+    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def step():
+        out = flashmask_attention(qq, kk, vv, mask=mask, impl=impl)
+        out.backward(dout)
+
+    step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]
+
+
+def predict(steps: list[dict], bytes_in: list[list[int]], serial_ms: list[float], link_gbs: float) -> float:
+    """Modelled ms of one layer. Per rank and phase (forward, backward), each step's kernels overlap
+    the next step's transfer and the first transfer is exposed; the backward moves the same K/V bytes
+    in and dK/dV bytes out on the other direction of the full-duplex link, so its per-step transfer
+    time is the forward's. ``serial_ms[r]``: rank r's other device work (merges, accumulations). The
+    layer ends with the slowest rank. ``steps[r][phase][s]``: kernel ms of step s (0 = own chunk);
+    ``bytes_in[r][s]``: bytes rank r receives in step s."""
+    worst = 0.0
+    for r, rank_steps in enumerate(steps):
+        world = len(bytes_in[r])
+        xfer = [b / (link_gbs * 1e6) for b in bytes_in[r]]  # ms (1 GB/s = 1e6 bytes per ms)
+        total = serial_ms[r]
+        for phase in ("fwd", "bwd"):
+            c = rank_steps[phase]
+            total += xfer[1] if world > 1 else 0.0
+            total += sum(max(c[s], xfer[s + 1] if s + 1 < world else 0.0) for s in range(world))
+        worst = max(worst, total)
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--ns", type=int, nargs="+", default=[131072, 262144, 524288, 1048576])
+    parser.add_argument("--ps", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--masks", nargs="+", default=["docs", "sliding_sinks", "dpo", "causal"])
+    parser.add_argument("--quadratic-max-n", type=int, default=131072,
+                        help="largest N for masks whose work grows as N^2 (dpo, causal)")
+    parser.add_argument("--balances", nargs="+", default=["mask"])
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    parser.add_argument("--impl", default="auto")
+    parser.add_argument("--layers", type=int, default=4, help="layers timed per measurement (after one warm-up)")
+    parser.add_argument("--host-ranks", type=int, default=1, help="ranks whose host time is measured (rank 0 ..)")
+    parser.add_argument("--link-gbs", type=float, default=350.0,
+                        help="assumed p2p bandwidth per direction between two GPUs, GB/s (not measurable on one GPU)")
+    parser.add_argument("--max-seconds", type=float, default=480.0, help="stop starting new configurations after this")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
+    args = parser.parse_args()
+
+    from fm_parallel import backends
+    from fm_parallel.distributed import shard
+    from fm_parallel.distributed.sharding import pair_counts
+
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        raise SystemExit("cp_layer_cost.py times CUDA kernels; --device cpu is not supported (use ring_cpu.py)")
+    dtype = DTYPES[args.dtype]
+    impl = backends.resolve(args.impl, device, dtype, args.head_dim, chunked=True)
+    gpu = torch.cuda.get_device_name(device)
+    began = time.perf_counter()
+    rows = []
+    print(f"{gpu}: kernel={impl} H={args.heads}/{args.kv_heads} D={args.head_dim} {args.dtype}, link {args.link_gbs:g} GB/s (assumed)")
+    header = (f"{'mask':14s} {'N':>8s} {'P':>2s} {'balance':10s} {'kernel/rank ms':>15s} {'host ms':>8s} {'host/kernel':>11s} "
+              f"{'per-call ms':>11s} {'pred ms':>8s} {'1-GPU ms':>9s} {'TF/GPU':>7s} {'1-GPU TF':>8s} {'ratio':>6s}")
+    print(header)
+    for n in args.ns:
+        families = build_masks(n)
+        for mask_name in args.masks:
+            if time.perf_counter() - began > args.max_seconds:
+                print(f"stopping: --max-seconds {args.max_seconds:g} reached before {mask_name} at N={n}")
+                break
+            if mask_name in ("dpo", "causal") and n > args.quadratic_max_n:
+                continue
+            mask_cpu = families[mask_name]
+            mask = mask_cpu.to(device)
+            torch.manual_seed(0)
+            q = torch.randn(1, args.heads, n, args.head_dim, device=device, dtype=dtype)
+            k = torch.randn(1, args.kv_heads, n, args.head_dim, device=device, dtype=dtype)
+            v = torch.randn(1, args.kv_heads, n, args.head_dim, device=device, dtype=dtype)
+            dout = torch.randn_like(q)
+            pairs = int(mask_cpu.visible_pairs().sum())
+            flops = 4 * args.heads * args.head_dim * pairs * 3.5
+            one = single_gpu_ms(mask, q, k, v, dout, impl, reps=3)
+            for p in args.ps:
+                for balance in args.balances:
+                    if n % (2 * p if balance == "zigzag" else p):
+                        continue
+                    plan = shard(mask_cpu, p, balance)
+                    table = pair_counts(mask_cpu, plan.positions)
+                    chunk_bytes = 2 * (n // p) * args.kv_heads * args.head_dim * q.element_size()
+                    per_rank, bytes_in = [], []
+                    for r in range(p):
+                        layer, timer = rank_layer(args, mask, plan, r, q, k, v, dout, impl, False, True, device)
+                        layer()  # warm-up: prepares, builds plans (and compiles)
+                        timer.step_ms()
+                        for _ in range(args.layers):
+                            layer()
+                        steps = timer.step_ms()
+                        # Kernel ms per step, averaged over layers: index by source step order.
+                        per_step = {}
+                        for kind in ("fwd", "bwd"):
+                            seen = [s for s in range(p) if table[r, (r - s) % p] > 0]
+                            vals = steps[kind]
+                            per_layer = len(seen)
+                            avg = [sum(vals[i::per_layer]) / args.layers for i in range(per_layer)] if per_layer else []
+                            full = [0.0] * p
+                            for s, ms in zip(seen, avg):
+                                full[s] = ms
+                            per_step[kind] = full
+                        entry = {"rank": r, "step_ms": per_step,
+                                 "device_ms": profile_ms(layer, args.layers)}
+                        if r < args.host_ranks:
+                            entry["host_ms"], entry["host_syncs"] = host_ms(layer, args.layers,
+                                                                            sleep_ms=max(50.0, 4 * entry["device_ms"]["total"]))
+                            before, _ = rank_layer(args, mask, plan, r, q, k, v, dout, impl, True, False, device)
+                            before()
+                            torch.cuda.synchronize()
+                            t0 = time.perf_counter()
+                            for _ in range(args.layers):
+                                before()
+                            torch.cuda.synchronize()
+                            entry["per_call_wall_ms"] = 1e3 * (time.perf_counter() - t0) / args.layers
+                            t0 = time.perf_counter()
+                            for _ in range(args.layers):
+                                layer()
+                            torch.cuda.synchronize()
+                            entry["prepared_wall_ms"] = 1e3 * (time.perf_counter() - t0) / args.layers
+                        per_rank.append(entry)
+                        bytes_in.append([0] + [chunk_bytes if table[r, (r - s) % p] > 0 else 0 for s in range(1, p)])
+                    kernel = [sum(e["step_ms"]["fwd"]) + sum(e["step_ms"]["bwd"]) for e in per_rank]
+                    device_ms = [e["device_ms"]["total"] - e["device_ms"]["copy"] for e in per_rank]  # without stand-ins
+                    serial = [max(0.0, d - kk) for d, kk in zip(device_ms, kernel)]
+                    pred_total = predict([e["step_ms"] for e in per_rank], bytes_in, serial, args.link_gbs)
+                    tf_gpu = flops / p / (pred_total * 1e-3) / 1e12
+                    tf_one = flops / (one * 1e-3) / 1e12
+                    host = per_rank[0].get("host_ms", float("nan"))
+                    row = {"mask": mask_name, "n": n, "p": p, "balance": balance, "kernel": impl,
+                           "visible_pairs": pairs, "ranks": per_rank, "kernel_ms_per_rank": kernel,
+                           "device_ms_per_rank": device_ms, "chunk_bytes": chunk_bytes,
+                           "transfers_per_rank": [sum(1 for b in bi if b) for bi in bytes_in],
+                           "predicted_layer_ms": pred_total, "single_gpu_ms": one,
+                           "predicted_tf_per_gpu": tf_gpu, "single_gpu_tf": tf_one, "ratio": tf_gpu / tf_one,
+                           "host_over_kernel_rank0": host / device_ms[0] if device_ms[0] else None}
+                    rows.append(row)
+                    print(f"{mask_name:14s} {n:8d} {p:2d} {balance:10s} {max(device_ms):15.2f} {host:8.2f} "
+                          f"{row['host_over_kernel_rank0']:11.1%} {per_rank[0].get('per_call_wall_ms', float('nan')):11.2f} "
+                          f"{pred_total:8.2f} {one:9.2f} {tf_gpu:7.0f} {tf_one:8.0f} {row['ratio']:6.2f}", flush=True)
+            del q, k, v, dout
+            torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    assumptions = {
+        "link_gbs_per_direction": args.link_gbs,
+        "link_note": "assumed, not measured: one GPU has no peer; NVLink 4 on H200 SXM is 450 GB/s per direction "
+                     "nominal, p2p copies reach roughly 350-390 GB/s in published nccl-tests",
+        "overlap": "each ring step's compute overlaps the next step's transfer (the ring posts step s+1 before computing "
+                   "step s); the first transfer is exposed; the backward's dK/dV return runs on the opposite direction "
+                   "of the full-duplex link",
+        "skew": "a layer ends when the slowest rank ends (per-rank totals from each rank's own measured steps)",
+        "host": "host time is hidden when below the layer's device time (measured per layer with the GPU kept busy)",
+        "not_modelled": "NCCL launch latency per transfer (~10-20 us), contention of several rings on one NVSwitch, "
+                        "the per-step agreement all-gather (once per step, not per layer)",
+    }
+    stem = f"cp_scaling_model_{gpu.replace(' ', '_').lower()}"
+    cmd = "python launch/bench/cp_layer_cost.py " + " ".join(sys.argv[1:])
+    (args.out / f"{stem}.json").write_text(json.dumps({"command": cmd, "device": gpu, "kernel": impl,
+                                                        "assumptions": assumptions, "rows": rows}, indent=1))
+    lines = [f"# CP per-layer cost on one {gpu}, and the scaling it predicts", "", f"`{cmd}`", "",
+             "| mask | N | P | balance | device ms/rank (max) | host ms (rank 0) | host/device | per-call prep ms | "
+             "predicted layer ms | 1-GPU ms | TF/GPU | 1-GPU TF | ratio |", "|" + "---|" * 13]
+    for r in rows:
+        lines.append(f"| {r['mask']} | {r['n']} | {r['p']} | {r['balance']} | {max(r['device_ms_per_rank']):.2f} | "
+                     f"{r['ranks'][0].get('host_ms', float('nan')):.2f} | {r['host_over_kernel_rank0']:.1%} | "
+                     f"{r['ranks'][0].get('per_call_wall_ms', float('nan')):.2f} | {r['predicted_layer_ms']:.2f} | "
+                     f"{r['single_gpu_ms']:.2f} | {r['predicted_tf_per_gpu']:.0f} | {r['single_gpu_tf']:.0f} | {r['ratio']:.2f} |")
+    lines += ["", "Assumptions:", ""] + [f"- {k}: {v}" for k, v in assumptions.items()]
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out / stem}.json and .md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""The prepared mask of a step (fm_parallel/distributed/prepared.py): made once, reused by every layer
+of ring, Ulysses and hybrid, forward and backward, with the same results as a bare mask per call;
+collective and checked like a call (ranks that disagree all raise); and the host-staged transport
+that lets P processes share one GPU over gloo."""
+
+import pytest
+import torch
+
+from tests.distributed.spawn import run_ranks
+
+N, HQ, HKV, D = 96, 4, 2, 8
+LAYERS = 3
+
+
+def _data(seed=0):
+    torch.manual_seed(seed)
+    q = torch.randn(1, HQ, N, D, dtype=torch.float64)
+    k = torch.randn(1, HKV, N, D, dtype=torch.float64)
+    v = torch.randn(1, HKV, N, D, dtype=torch.float64)
+    return q, k, v, torch.randn(1, HQ, N, D, dtype=torch.float64)
+
+
+def _mask():
+    from fm_parallel import masks
+
+    return masks.union(masks.document([20, 40, 36]), masks.sliding_window(N, 6, sinks=2))
+
+
+def layers_on_one_prepared_mask(rank, world, mode, balance):
+    """LAYERS layers (forward + backward) on one prepared mask: each matches the single-process
+    reference, and only the first layer builds column masks or runs the agreement."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fm_parallel import flashmask_attention
+    from fm_parallel.distributed import RingStats, hybrid_attention, prepare, ring_attention, shard, ulysses_attention
+
+    mask = _mask()
+    q, k, v, dout = _data()
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = flashmask_attention(qr, kr, vr, mask=mask, impl="torch")
+    ref.backward(dout)
+    plan = shard(mask, world, balance)
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("ring", "ulysses")) if mode == "hybrid" else None
+    prepared = prepare(mask, plan, mesh=mesh) if mesh is not None else prepare(mask, plan)
+    counters, errors = [], []
+    for layer in range(LAYERS):
+        ql, kl, vl = (plan.shard(t, rank, 2).clone().requires_grad_() for t in (q, k, v))
+        stats = RingStats()
+        if mode == "ring":
+            out = ring_attention(ql, kl, vl, prepared, plan, stats=stats)
+        elif mode == "ulysses":
+            out = ulysses_attention(ql, kl, vl, prepared)
+        else:
+            out = hybrid_attention(ql, kl, vl, prepared, None, mesh, stats=stats)
+        out.backward(plan.shard(dout, rank, 2))
+        worst = max((a - plan.shard(b, rank, 2)).abs().max().item()
+                    for a, b in ((out, ref), (ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)))
+        errors.append(worst)
+        inner = prepared.derived(("hybrid", HQ, HKV, 1, torch.device("cpu")), lambda: None) if mode == "hybrid" else None
+        counters.append({"agreements": prepared.counters["agreements"],
+                         "columns": (inner[0] if inner else prepared).counters["columns"]})
+    return {"errors": errors, "counters": counters}
+
+
+@pytest.mark.parametrize("mode,world", [("ring", 2), ("ulysses", 2), ("hybrid", 4)])
+@pytest.mark.parametrize("balance", ["contiguous", "zigzag", "mask"])
+def test_every_layer_reuses_the_prepared_mask_and_matches_one_process(mode, world, balance):
+    for rank, res in enumerate(run_ranks(layers_on_one_prepared_mask, world, mode, balance, timeout=240)):
+        assert "exception" not in res, res.get("traceback")
+        assert max(res["errors"]) < 1e-10, (rank, res["errors"])
+        first, *later = res["counters"]
+        assert first["agreements"] == 1, first
+        assert all(c == first for c in later), res["counters"]  # no new agreement, no new column mask
+
+
+def prepared_then_misused(rank, world, what):
+    from fm_parallel import masks
+    from fm_parallel.distributed import prepare, ring_attention, shard
+    from tests.distributed.test_agreement import _outcome
+
+    mask = _mask()
+    plan = shard(mask, world, "contiguous")
+    q, k, v, _ = _data()
+    ql, kl, vl = (plan.shard(t, rank, 2) for t in (q, k, v))
+    if what == "mask":  # rank 1 prepares another packing: every rank raises at prepare, nobody hangs
+        mine = masks.document([30, 30, 36]) if rank == 1 else mask
+        return _outcome(lambda: prepare(mine, plan))
+    if what == "plan":  # a call with another plan than the one prepared: every rank raises at the call
+        prepared = prepare(mask, plan)
+        other = shard(mask, world, "zigzag")
+        return _outcome(lambda: ring_attention(ql, kl, vl, prepared, other if rank == 0 else plan))
+    if what == "bad_mask":  # rank 0's mask has the wrong length: its problem reaches every rank
+        mine = masks.causal(N + 2) if rank == 0 else mask
+        return _outcome(lambda: prepare(mine, plan))
+    raise AssertionError(what)
+
+
+@pytest.mark.parametrize("what,expected", [
+    ("mask", "mask: expected the same value on every rank"),
+    ("plan", "plan: expected the plan the mask was prepared with"),
+    ("bad_mask", "mask: expected a FlashMask with 96 key columns (the plan's N), got 98"),
+])
+def test_prepare_and_prepared_calls_fail_on_every_rank_alike(what, expected):
+    results = run_ranks(prepared_then_misused, 2, what, timeout=120)
+    assert all(r["error"] is not None and expected in r["error"] for r in results), results
+    assert results[0]["error"].split(": ", 2)[-1] == results[1]["error"].split(": ", 2)[-1]
+
+
+def staged_ring(rank, world):
+    """The ring with every transfer staged through host buffers (what gloo does for GPU tensors),
+    forced on CPU tensors here: the received chunks and returned gradients must be the same."""
+    from fm_parallel import flashmask_attention
+    from fm_parallel.distributed import comm, prepare, ring_attention, shard, ulysses_attention
+
+    staged = {"n": 0}
+
+    def always(self, sends, recvs):
+        staged["n"] += 1
+        return True
+
+    comm.RingComm.host_staged = always
+    mask = _mask()
+    q, k, v, dout = _data(3)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = flashmask_attention(qr, kr, vr, mask=mask, impl="torch")
+    ref.backward(dout)
+    out = {}
+    for name, call in (("ring", ring_attention), ("ulysses", ulysses_attention)):
+        plan = shard(mask, world, "zigzag")
+        ql, kl, vl = (plan.shard(t, rank, 2).clone().requires_grad_() for t in (q, k, v))
+        o = call(ql, kl, vl, prepare(mask, plan), plan)
+        o.backward(plan.shard(dout, rank, 2))
+        out[name] = max((a - plan.shard(b, rank, 2)).abs().max().item()
+                        for a, b in ((o, ref), (ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)))
+    out["staged_exchanges"] = staged["n"]
+    return out
+
+
+def test_host_staged_transfers_give_the_same_results():
+    for res in run_ranks(staged_ring, 2, timeout=120):
+        assert "exception" not in res, res.get("traceback")
+        assert res["ring"] < 1e-10 and res["ulysses"] < 1e-10, res
+        assert res["staged_exchanges"] > 0
+
+
+def context_parallel_prepares_once_per_mask(rank, world):
+    """ContextParallel (what the HF backend and the trainer call per layer) prepares a FlashMask once:
+    the same object in every layer reuses it; a new mask object (next step) or an in-place edit does not."""
+    from fm_parallel import masks
+    from fm_parallel.distributed import shard
+    from fm_parallel.distributed.context import ContextParallel
+
+    mask = _mask()
+    plan = shard(mask, world, "mask")
+    ctx = ContextParallel("ring", plan)
+    q, k, v, _ = _data()
+    ql, kl, vl = (plan.shard(t, rank, 2) for t in (q, k, v))
+    seen = []
+    for _ in range(3):
+        ctx.attention(ql, kl, vl, mask)
+        seen.append(id(ctx._last[3]))
+    nxt = masks.document([20, 40, 36])
+    ctx.attention(ql, kl, vl, nxt)
+    seen.append(id(ctx._last[3]))
+    nxt.fme.add_(0)  # an in-place edit: the prepared data may be stale
+    ctx.attention(ql, kl, vl, nxt)
+    seen.append(id(ctx._last[3]))
+    return {"seen": seen}
+
+
+def test_context_parallel_prepares_once_per_mask_object():
+    for res in run_ranks(context_parallel_prepares_once_per_mask, 2, timeout=120):
+        assert "exception" not in res, res.get("traceback")
+        a, b, c, d, e = res["seen"]
+        assert a == b == c and len({a, d, e}) == 3, res["seen"]
+
+
+def test_prepare_refuses_bad_arguments_without_a_process_group():
+    from fm_parallel import masks
+    from fm_parallel.distributed import prepare, shard
+
+    with pytest.raises(ValueError, match="group: expected an initialised torch.distributed process group"):
+        prepare(masks.causal(8), shard(8, 2, "contiguous"))
