@@ -16,6 +16,11 @@
 #                                                   # block-sparse path, FA4, Flex-FLASH at NS (+ churn)
 #   bash launch/bench/h200_session.sh hf       # carry [".fa4one"]: the Hugging Face / trainer edges through
 #                                              # the CUDA kernels, auto (CuTe) then Triton (verify_hf_gpu.py)
+#   IMPLS="cute" NS="32768 131072" bash launch/bench/h200_session.sh cp   # carry [".fa4one"]: ring / Ulysses /
+#                                              # hybrid on 4 ranks SHARING the one H200 (gloo, host-staged
+#                                              # transfers), every family x balance vs one GPU (verify_multi_gpu.py --virtual)
+#   bash launch/bench/h200_session.sh cpcost   # carry [".fa4one"]: per-layer CP kernel / host time per rank and
+#                                              # step on one GPU, and the P = 2, 4, 8 model (cp_layer_cost.py)
 #   NS="16384 65536" bash launch/bench/h200_session.sh costs   # carry [".fa4one"]: partial vs full tile cost
 #                                                   # (cute_tile_costs.py), then cute / FA4 / Flex-FLASH at NS
 #
@@ -31,8 +36,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 stage=${1:-}
 shift || true
-case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf) ;; *)
-  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf" >&2; exit 2 ;; esac
+case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost) ;; *)
+  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost" >&2; exit 2 ;; esac
 if [ "$stage" = pack ]; then  # on this machine, not the GPU one
   tmp=$(mktemp -d); tar xJf .fa4big/libs_cu13.tar.xz -C "$tmp"
   for w in .fa4/*.whl; do python3 -m zipfile -e "$w" "$tmp"; done
@@ -104,6 +109,15 @@ case "$stage" in
         | grep -E "^(PASS|FAIL|[0-9]+/)" | tee -a "$OUT/verify_hf.log" || true
     done
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_attention.py -k top_left 2>&1 | tail -3 | tee -a "$OUT/verify_hf.log" ;;
+  cp)
+    fa4
+    timeout ${CP_TIMEOUT:-540} python3 -m torch.distributed.run --nproc_per_node ${RANKS:-4} launch/bench/verify_multi_gpu.py \
+      --virtual --ns ${NS:-32768 131072} --heads 8 --kv-heads 2 --impls ${IMPLS:-cute triton} ${MASKS:+--masks $MASKS} \
+      --out "$OUT" 2>&1 | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/verify_cp_virtual_${IMPLS// /_}.log" || true ;;
+  cpcost)
+    fa4
+    timeout ${COST_TIMEOUT:-540} python3 launch/bench/cp_layer_cost.py --out "$OUT" ${COST_ARGS:-} 2>&1 \
+      | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/cp_layer_cost.log" || true ;;
   tune)
     python3 launch/bench/tune_triton.py --d 64 128 256 --n 16384 --out "$OUT" --tag tune_triton_all 2>&1 | tee "$OUT/tune.log" ;;
 esac

@@ -198,7 +198,7 @@ def main() -> None:
         raise SystemExit("error: this check runs the CUDA kernels; no GPU here (--device cpu for a dry run)")
     import torch.distributed as dist
 
-    from fm_parallel.attention import _resolve_impl
+    from fm_parallel import backends
     from fm_parallel.integrations import transformers as fm_hf
 
     device = torch.device(args.device)
@@ -215,7 +215,7 @@ def main() -> None:
         "trainer_resume": lambda: case_trainer(device),
     }
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "impl": args.impl,
-               "resolved": _resolve_impl(args.impl, device), "cases": {}}
+               "resolved": backends.resolve(args.impl, device), "cases": {}}
     for key, fn in cases.items():
         t0 = time.perf_counter()
         try:

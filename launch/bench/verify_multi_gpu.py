@@ -201,7 +201,7 @@ def main() -> None:
         cmd = f"torchrun --nproc_per_node {world} launch/bench/verify_multi_gpu.py " + " ".join(sys.argv[1:])
         name = torch.cuda.get_device_name(device) if cuda else "cpu"
         where = f"{world} ranks sharing one {name} (gloo, host-staged transfers)" if args.virtual else f"{world} x {name}"
-        suffix = "_virtual" if args.virtual else ""
+        suffix = ("_virtual_" + "_".join(args.impls)) if args.virtual else ""
         (args.out / f"verify_multi_gpu_{device.type}_x{world}{suffix}.json").write_text(
             json.dumps({"command": cmd, "device": name, "world": world, "virtual": args.virtual, "where": where,
                         "cases": results}, indent=1))
