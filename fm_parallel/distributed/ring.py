@@ -87,18 +87,42 @@ class _Ring:
         self.stats.bytes_sent += sum(t.numel() * t.element_size() for t, _ in sends)
 
 
+class _Sum:
+    """A sum of partial tensors. The first is kept as it came (no zero-fill, no copy: a rank that sees
+    one chunk pays nothing); the second starts a float32 (float64) sum owned here, so halves are never
+    accumulated in their own precision and no tensor still being sent is written to."""
+
+    def __init__(self, acc: torch.dtype):
+        self.acc, self.value, self.owned = acc, None, False
+
+    def add(self, x: torch.Tensor) -> None:
+        if self.value is None:
+            self.value = x
+        elif not self.owned:
+            self.value, self.owned = self.value.to(self.acc) + x, True
+        else:
+            self.value.add_(x)
+
+    def result(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(like) if self.value is None else self.value.to(like.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring):
-        device = q.device
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=acc, device=device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=device)
+        out = lse = None
         for _, src, chunk in ring.kv_chunks(k, v):
             if chunk is None:
                 continue
             o, l = ring.backend.forward(q, chunk[0], chunk[1], scale=ring.scale, **ring.launch_args(src))
-            out, lse = merge(out, lse, o, l)
+            if out is None:  # the first chunk's result as it is: merged only when a second arrives
+                out, lse = o, l.to(acc)
+            else:
+                out, lse = merge(out.to(acc), lse, o, l)
+        if out is None:  # this rank's queries see no key at all
+            out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+            lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
@@ -108,26 +132,24 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring = ctx.ring
-        device, me = q.device, ring.rank
+        me = ring.rank
         dout = dout.contiguous()
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        dq = torch.zeros(q.shape, dtype=acc, device=device)
-        dk, dv = torch.zeros(k.shape, dtype=acc, device=device), torch.zeros(v.shape, dtype=acc, device=device)
+        lse = lse if lse.dtype == torch.float64 else lse.float()
+        dq, dk, dv = _Sum(acc), _Sum(acc), _Sum(acc)
         grads_in_flight = []  # (requests, received dK, received dV)
         for step, src, chunk in ring.kv_chunks(k, v):
             dst = ring.comm.send_to(step)
             part = None
             if chunk is not None:
-                dq_s, dk_s, dv_s = ring.backend.backward(
-                    q, chunk[0], chunk[1], out, lse.float() if lse.dtype != torch.float64 else lse, dout,
-                    scale=ring.scale, **ring.launch_args(src),
-                )
-                dq += dq_s
+                dq_s, dk_s, dv_s = ring.backend.backward(q, chunk[0], chunk[1], out, lse, dout, scale=ring.scale,
+                                                         **ring.launch_args(src))
+                dq.add(dq_s)
                 part = (dk_s.contiguous(), dv_s.contiguous())
             if step == 0:
                 if part is not None:
-                    dk += part[0]
-                    dv += part[1]
+                    dk.add(part[0])
+                    dv.add(part[1])
                 continue
             # Return the chunk's gradients to its owner; collect mine from the ranks that used my keys.
             sends = [(part[0], src), (part[1], src)] if part is not None else []
@@ -138,9 +160,9 @@ class _RingAttention(torch.autograd.Function):
         for reqs, bufs, _ in grads_in_flight:
             ring.comm.wait(reqs)
             if bufs is not None:
-                dk += bufs[0]
-                dv += bufs[1]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+                dk.add(bufs[0])
+                dv.add(bufs[1])
+        return dq.result(q), dk.result(k), dv.result(v), None
 
 
 def ring_attention(

@@ -173,6 +173,24 @@ def host_ms(fn, calls: int, sleep_ms: float) -> tuple[float, bool]:
     return median, median >= 0.8 * sleep_ms
 
 
+def top_host(fn, calls: int, lines: int = 22) -> str:
+    """cProfile of ``calls`` layers (host functions by own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(lines)
+    return buf.getvalue()
+
+
 def single_gpu_ms(mask, q, k, v, dout, impl, reps: int) -> float:
     from fm_parallel import flashmask_attention
 
@@ -231,6 +249,7 @@ def main() -> None:
     parser.add_argument("--host-ranks", type=int, default=1, help="ranks whose host time is measured (rank 0 ..)")
     parser.add_argument("--link-gbs", type=float, default=350.0,
                         help="assumed p2p bandwidth per direction between two GPUs, GB/s (not measurable on one GPU)")
+    parser.add_argument("--cprofile", action="store_true", help="print rank 0's top host functions per configuration")
     parser.add_argument("--max-seconds", type=float, default=480.0, help="stop starting new configurations after this")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
@@ -300,6 +319,9 @@ def main() -> None:
                         if r < args.host_ranks:
                             entry["host_ms"], entry["host_syncs"] = host_ms(layer, args.layers,
                                                                             sleep_ms=max(50.0, 4 * entry["device_ms"]["total"]))
+                            if args.cprofile:
+                                entry["host_top"] = top_host(layer, args.layers)
+                                print(entry["host_top"])
                             before, _ = rank_layer(args, mask, plan, r, q, k, v, dout, impl, True, False, device)
                             before()
                             torch.cuda.synchronize()

@@ -18,7 +18,7 @@
 #                                              # the CUDA kernels, auto (CuTe) then Triton (verify_hf_gpu.py)
 #   IMPLS="cute" NS="32768 131072" bash launch/bench/h200_session.sh cp   # carry [".fa4one"]: ring / Ulysses /
 #                                              # hybrid on 4 ranks SHARING the one H200 (gloo, host-staged
-#                                              # transfers), every family x balance vs one GPU (verify_multi_gpu.py --virtual)
+#                                              # transfers), every family x balance vs one GPU (verify_multi_gpu.py --shared-gpu)
 #   bash launch/bench/h200_session.sh cpcost   # carry [".fa4one"]: per-layer CP kernel / host time per rank and
 #                                              # step on one GPU, and the P = 2, 4, 8 model (cp_layer_cost.py)
 #   NS="16384 65536" bash launch/bench/h200_session.sh costs   # carry [".fa4one"]: partial vs full tile cost
@@ -112,7 +112,7 @@ case "$stage" in
   cp)
     fa4
     timeout ${CP_TIMEOUT:-540} python3 -m torch.distributed.run --nproc_per_node ${RANKS:-4} launch/bench/verify_multi_gpu.py \
-      --virtual --ns ${NS:-32768 131072} --heads 8 --kv-heads 2 --impls ${IMPLS:-cute triton} ${MASKS:+--masks $MASKS} \
+      --shared-gpu --ns ${NS:-32768 131072} --heads 8 --kv-heads 2 --impls ${IMPLS:-cute triton} ${MASKS:+--masks $MASKS} \
       --out "$OUT" 2>&1 | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/verify_cp_virtual_${IMPLS// /_}.log" || true ;;
   cpcost)
     fa4

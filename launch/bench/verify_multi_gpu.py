@@ -2,11 +2,11 @@
 (gloo): one PASS/FAIL line per case.
 
     torchrun --nproc_per_node 8 launch/bench/verify_multi_gpu.py                      # H200s: N 32k and 128k
-    torchrun --nproc_per_node 4 launch/bench/verify_multi_gpu.py --virtual            # 4 ranks on ONE GPU
+    torchrun --nproc_per_node 4 launch/bench/verify_multi_gpu.py --shared-gpu            # 4 ranks on ONE GPU
     torchrun --nproc_per_node 4 launch/bench/verify_multi_gpu.py --device cpu --ns 256 \\
         --heads 8 --kv-heads 2 --head-dim 16 --dtype float64 --impls torch            # mechanics on a CPU
 
-``--virtual``: every rank is a process on the same GPU (``cuda:0``) and the process group is gloo;
+``--shared-gpu``: every rank is a process on the same GPU (``cuda:0``) and the process group is gloo;
 the ring's and Ulysses' GPU tensors travel through host copies (:class:`RingComm` stages them, the
 only difference from NCCL: transfers are slow and never overlap compute, which this script does not
 time). Everything else is the code that runs on several GPUs: the prepared mask, the pair table and
@@ -20,7 +20,7 @@ compares its output and q / k / v gradients with its slice of the single-device 
 kernel on the same data (every rank computes that reference itself). Ring and hybrid cases also
 check that the transfers this rank skipped equal the planner's count (from the exact pair table, no
 N x N mask). Ulysses with fewer KV heads than ranks exercises the KV-head replication. Rank 0 prints
-the lines and writes docs/benchmarks/verify_multi_gpu_<device>_x<P>[_virtual].json; the exit code is
+the lines and writes docs/benchmarks/verify_multi_gpu_<device>_x<P>[_virtual_<impls>].json; the exit code is
 1 if any case failed.
 """
 
@@ -125,7 +125,7 @@ def hybrid_expected_skips(mask, plan, mesh) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--virtual", action="store_true",
+    parser.add_argument("--shared-gpu", action="store_true",
                         help="every rank on cuda:0, gloo process group, host-staged transfers (one GPU)")
     parser.add_argument("--ns", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--heads", type=int, default=32)
@@ -145,7 +145,7 @@ def main() -> None:
     from fm_parallel.distributed import shard
     from fm_parallel.distributed.sharding import pair_counts
 
-    rank, world, device, mesh = init_ranks(args.device, virtual=args.virtual)
+    rank, world, device, mesh = init_ranks(args.device, shared_gpu=args.shared_gpu)
     cuda = device.type == "cuda"
     dtype = DTYPES[args.dtype]
     results, failed = [], 0
@@ -200,10 +200,10 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         cmd = f"torchrun --nproc_per_node {world} launch/bench/verify_multi_gpu.py " + " ".join(sys.argv[1:])
         name = torch.cuda.get_device_name(device) if cuda else "cpu"
-        where = f"{world} ranks sharing one {name} (gloo, host-staged transfers)" if args.virtual else f"{world} x {name}"
-        suffix = ("_virtual_" + "_".join(args.impls)) if args.virtual else ""
+        where = f"{world} ranks sharing one {name} (gloo, host-staged transfers)" if args.shared_gpu else f"{world} x {name}"
+        suffix = ("_virtual_" + "_".join(args.impls)) if args.shared_gpu else ""
         (args.out / f"verify_multi_gpu_{device.type}_x{world}{suffix}.json").write_text(
-            json.dumps({"command": cmd, "device": name, "world": world, "virtual": args.virtual, "where": where,
+            json.dumps({"command": cmd, "device": name, "world": world, "shared_gpu": args.shared_gpu, "where": where,
                         "cases": results}, indent=1))
         print(f"{len(results) - failed} of {len(results)} cases passed on {where}")
     dist.destroy_process_group()
