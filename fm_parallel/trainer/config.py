@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fm_parallel import backends
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -83,6 +85,9 @@ class TrainingConfig:
     dpo_beta: float = _key(0.1, "DPO beta", low=0.0, low_open=True)
 
 
+_CP_IMPLS = tuple(n for n in backends.names() if n == "auto" or backends.get(n).chunked)
+
+
 @dataclass
 class ParallelConfig:
     cp: str = _key("ring", "context parallelism: ring | ulysses | hybrid | none", choices=("ring", "ulysses", "hybrid", "none"))
@@ -90,9 +95,10 @@ class ParallelConfig:
     ulysses_degree: int = _key(1, "the Ulysses part of hybrid (divides the CP degree)", low=1)
     balance: str = _key("zigzag", "how a row is sharded over CP ranks: contiguous | zigzag | mask",
                         choices=("contiguous", "zigzag", "mask"))
-    impl: str = _key("", "attention kernel (auto | cute | triton | torch), with or without CP; empty: automatic",
-                     choices=("", "auto", "cute", "triton", "torch"),
-                     choices_text="cute, triton, torch or empty (automatic; 'auto' is the same)")
+    # The registry's names that run per ring chunk (fm_parallel.backends): a new backend appears here too.
+    impl: str = _key("", "attention kernel (" + " | ".join(_CP_IMPLS) + "), with or without CP; empty: automatic",
+                     choices=("", *_CP_IMPLS),
+                     choices_text=", ".join(n for n in _CP_IMPLS if n != "auto") + " or empty (automatic; 'auto' is the same)")
     timeout_s: float = _key(600.0, "seconds a collective may wait for a peer before the run fails (a dead or stuck rank)",
                             low=0.0, low_open=True)
 

@@ -139,44 +139,6 @@ def test_the_digest_tells_every_three_document_packing_apart():
     assert shard(N, 2, "contiguous").digest() != shard(N, 2, "zigzag").digest()
 
 
-def impl_names(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from fm_parallel import masks
-    from fm_parallel.distributed import hybrid_attention, ring_attention, shard, ulysses_attention
-
-    mask, plan = masks.causal(N), shard(N, world, "zigzag")
-    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("ring", "ulysses"))
-    entries = {"ring": lambda q, k, v, impl: ring_attention(q, k, v, mask, plan, impl=impl),
-               "ulysses": lambda q, k, v, impl: ulysses_attention(q, k, v, mask, plan, impl=impl),
-               "hybrid": lambda q, k, v, impl: hybrid_attention(q, k, v, mask, plan, mesh, impl=impl)}
-    results = {}
-    for entry, call in entries.items():
-        for impl in (None, "auto", "torch", "bogus", "Triton", "dense-ish"):
-            if impl is None and entry == "ulysses":
-                continue  # ulysses takes a str, like flashmask_attention
-            q, k, v = _qkv(rank, world)
-            try:
-                out = call(q, k, v, impl)
-                results[f"{entry}:{impl}"] = "ok" if torch.isfinite(out).all() else "nan"
-            except ValueError as e:
-                results[f"{entry}:{impl}"] = f"ValueError: {str(e)[:60]}"
-    return results
-
-
-def test_every_impl_name_through_every_entry_point_runs_or_raises():
-    """No silent fallback: an unknown kernel name raises at every distributed entry point (it once ran
-    the PyTorch path on a GPU), and auto / None resolve to a real backend."""
-    results = run_ranks(impl_names, 2, timeout=180)
-    assert results[0] == results[1]
-    for key, value in results[0].items():
-        name = key.split(":")[1]
-        if name in ("None", "auto", "torch"):
-            assert value == "ok", (key, value)
-        else:
-            assert value.startswith("ValueError: impl: expected one of"), (key, value)
-
-
 def stalls_after_agreement(rank, world):
     import os
 
