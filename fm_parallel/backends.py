@@ -3,16 +3,13 @@
 
 A backend is one module (imported on first use, so optional packages stay optional) with
 
-    forward(q, k, v, mask, positions, scale, q_offset=None, rows_key=None) -> out [B, Hq, Nq, Dv], lse [B, Hq, Nq] float32
-    backward(q, k, v, out, lse, dout, mask, positions, scale, dlse=None, q_offset=None, deterministic=..., rows_key=None)
-        -> dq, dk, dv
+    forward(q, k, v, mask, positions, scale, q_offset=None) -> out [B, Hq, Nq, Dv], lse [B, Hq, Nq] float32
+    backward(q, k, v, out, lse, dout, mask, positions, scale, dlse=None, q_offset=None, deterministic=...) -> dq, dk, dv
     attention(q, k, v, mask, positions, scale, q_offset=None, deterministic=...) -> (out, lse), differentiable
 
 and optionally ``supports(device) -> bool`` and ``unsupported_inputs(dtype, head_dim, value_dim) -> str | None``.
-``q_offset``: the rows are ``q_offset + arange(Nq)`` (None: arbitrary ``positions``); ``rows_key``: a
-name under which the caller promises ``positions`` never change for this mask object (the prepared
-mask of a step), so launch plans of arbitrary rows are cached too. Adding a backend is one module
-and one :func:`register` line.
+``q_offset``: the rows are ``q_offset + arange(Nq)`` (launch plans are then cached on the mask;
+None: arbitrary ``positions``). Adding a backend is one module and one :func:`register` line.
 
 ``auto`` means the same at every entry point: on CUDA the first of :data:`AUTO_ORDER_CUDA` that is
 installed, runs on the device and takes the dtype and head dims (CuTe on Hopper with the ``[cute]``

@@ -74,11 +74,12 @@ class _RowBlock:
     partial: list[tuple[int, int, int]]  # (offset inside the gathered keys, first key, end key) per partial tile
 
 
-def _plan(mask: FlashMask, positions: torch.Tensor, block_q: int, block_k: int, rows_key=None) -> list[list[_RowBlock]]:
+def _plan(mask: FlashMask, positions: torch.Tensor, block_q: int, block_k: int, q_offset: int | None = None):
     """Per mask row ``[Bm * Hm]``, per query block: the tiles to visit, from the tile rule. Cached on
-    the mask when the rows have a key (``rows_key``: the caller's promise that they never change)."""
-    if rows_key is not None:
-        return mask.cached(("torch_plan", block_q, block_k, rows_key), lambda: _plan(mask, positions, block_q, block_k))
+    the mask for consecutive rows (``positions`` is ``q_offset + arange``)."""
+    if q_offset is not None:
+        key = ("torch_plan", block_q, block_k, q_offset, positions.numel())
+        return mask.cached(key, lambda: _plan(mask, positions, block_q, block_k))
     lo, hi = row_block_bounds(positions, block_q)
     classes = classify_tiles(mask.block_summary(block_k), lo, hi).cpu()  # [Bm, Hm, Tr, Tc]
     nq, nk = positions.numel(), mask.num_keys
@@ -235,18 +236,16 @@ def blockwise_attention(
 
 # The backend interface (fm_parallel.backends): launchers for code with its own backward (the ring),
 # and the differentiable call.
-def forward(q, k, v, mask: FlashMask, positions, scale: float, q_offset: int | None = None, rows_key=None):
+def forward(q, k, v, mask: FlashMask, positions, scale: float, q_offset: int | None = None):
     """``out [B, Hq, Nq, Dv]`` and ``lse [B, Hq, Nq]``, float32 (float64 for float64 inputs)."""
-    key = rows_key if rows_key is not None else (("offset", q_offset, positions.numel()) if q_offset is not None else None)
-    plans = _plan(mask, positions, DEFAULT_BLOCK, DEFAULT_BLOCK, key)
+    plans = _plan(mask, positions, DEFAULT_BLOCK, DEFAULT_BLOCK, q_offset)
     return _blockwise_forward(q, k, v, mask, positions, scale, plans)
 
 
 def backward(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, dlse=None, q_offset: int | None = None,
-             deterministic: bool = True, rows_key=None):
+             deterministic: bool = True):
     """``(dq, dk, dv)`` from the (possibly ring-merged) ``out`` and ``lse``; always reproducible."""
-    key = rows_key if rows_key is not None else (("offset", q_offset, positions.numel()) if q_offset is not None else None)
-    plans = _plan(mask, positions, DEFAULT_BLOCK, DEFAULT_BLOCK, key)
+    plans = _plan(mask, positions, DEFAULT_BLOCK, DEFAULT_BLOCK, q_offset)
     return _blockwise_backward(q, k, v, out, lse, dout, dlse, mask, positions, scale, plans)
 
 

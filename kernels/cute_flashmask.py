@@ -76,20 +76,13 @@ def _bshd(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _sparsity(mask: FlashMask, positions: torch.Tensor, num_heads: int, head_dim: int, q_offset: int | None,
-              rows_key=None):
-    """FA4's (forward, backward) block-sparse tensors, cached on the mask for consecutive rows, and
-    for arbitrary rows the caller keeps fixed (``rows_key``, a prepared mask's rank)."""
+def _sparsity(mask: FlashMask, positions: torch.Tensor, num_heads: int, head_dim: int, q_offset: int | None):
+    """FA4's (forward, backward) block-sparse tensors, cached on the mask for consecutive rows."""
     block_q, block_k = fa4_tile_shape(head_dim)
 
-    if q_offset is None:  # arbitrary rows (zigzag shards): the dense tile grid
-        def arbitrary():
-            fwd, bwd = fa4_block_sparsity(mask, block_q, block_k, num_heads, positions)
-            return fwd.to_fa4(), bwd.to_fa4()
-
-        if rows_key is None:
-            return arbitrary()
-        return mask.cached(("fa4_sparsity_rows", block_q, block_k, num_heads, rows_key), arbitrary)
+    if q_offset is None:  # arbitrary rows (zigzag shards): the dense tile grid, no cheap cache key
+        fwd, bwd = fa4_block_sparsity(mask, block_q, block_k, num_heads, positions)
+        return fwd.to_fa4(), bwd.to_fa4()
 
     def make():  # consecutive rows: the lists built on the GPU from the tile ranges
         fwd, bwd = fa4_block_sparsity_consecutive(mask, block_q, block_k, num_heads, q_offset, positions.numel())
@@ -143,8 +136,7 @@ def _varlen(t: torch.Tensor) -> torch.Tensor:
     return t.squeeze(0).transpose(0, 1)
 
 
-def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None,
-             rows_key=None):
+def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None):
     """Forward: ``out [B, Hq, Nq, Dv]`` (q's dtype) and ``lse [B, Hq, Nq]`` float32 (natural log;
     ``-inf`` and a zero output for rows that see no key)."""
     out = q.new_empty(*q.shape[:3], v.shape[-1])
@@ -163,7 +155,7 @@ def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_
         return out, lse
     paths["block_sparse"] += 1
     hq, d = q.shape[1], q.shape[-1]
-    fwd_sparsity, _ = _sparsity(mask, positions, hq, d, q_offset, rows_key)
+    fwd_sparsity, _ = _sparsity(mask, positions, hq, d, q_offset)
     mask_mod, aux = _mask_args(mask, positions, hq, q_offset)
     # Outputs allocated in our layout and handed to FA4 as [B, N, H, D] views: no copies either way.
     with cute_fa4_patches.forward_schedule(OPTIONS.heaviest_first):
@@ -175,7 +167,7 @@ def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_
 
 
 def cute_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, dlse=None,
-             q_offset: int | None = None, deterministic: bool = False, rows_key=None):
+             q_offset: int | None = None, deterministic: bool = False):
     """Backward from the (possibly ring-merged) ``out`` and ``lse``: ``(dq, dk, dv)`` like the inputs.
     ``dlse``: the gradient reaching ``lse`` (the ring merge produces one).
 
@@ -197,7 +189,7 @@ def cute_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, 
                             dq=_varlen(dq), dk=_varlen(dk), dv=_varlen(dv))
         return dq, dk, dv
     hq, d = q.shape[1], q.shape[-1]
-    _, bwd_sparsity = _sparsity(mask, positions, hq, d, q_offset, rows_key)
+    _, bwd_sparsity = _sparsity(mask, positions, hq, d, q_offset)
     mask_mod, aux = _mask_args(mask, positions, hq, q_offset)
     _flash_attn_bwd(
         _bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse.contiguous(), scale,

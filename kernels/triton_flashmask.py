@@ -58,15 +58,11 @@ def config_for(kind: str, head_dim: int) -> KernelConfig:
     return table[min((d for d in table if d >= head_dim), default=max(table))]
 
 
-def _plan(mask: FlashMask, positions: torch.Tensor, cfg: KernelConfig, transposed: bool, q_offset: int | None,
-          rows_key=None):
+def _plan(mask: FlashMask, positions: torch.Tensor, cfg: KernelConfig, transposed: bool, q_offset: int | None):
     """The launch plan for one pass. Both orientations come from one tile classification and are
     cached together, so the forward, dK/dV and dQ passes classify once per mask and block shape."""
-    if q_offset is None:
-        if rows_key is None:  # arbitrary positions and no promise that they stay: nothing to cache on
-            return build_plan(mask, positions, cfg.block_m, cfg.block_n, transposed)
-        key = ("triton_plan", cfg.block_m, cfg.block_n, rows_key, transposed)
-        return mask.cached(key, lambda: build_plan(mask, positions, cfg.block_m, cfg.block_n, transposed))
+    if q_offset is None:  # arbitrary positions: no cheap key to cache on
+        return build_plan(mask, positions, cfg.block_m, cfg.block_n, transposed)
     # Consecutive rows: the range-based builder, O(N / block) instead of classifying every tile.
     key = ("triton_plans", cfg.block_m, cfg.block_n, q_offset, positions.numel())
     make = lambda: build_plans_consecutive(mask, q_offset, positions.numel(), cfg.block_m, cfg.block_n)  # noqa: E731
@@ -104,13 +100,12 @@ def _plan_args(plan: BlockSparsePlan):
     return plan.full_offsets, plan.full_runs, plan.part_offsets, plan.part_runs, plan.order
 
 
-def flashmask_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None,
-                  rows_key=None):
+def flashmask_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None):
     """Forward launcher. Returns ``out [B, Hq, Nq, DV]`` (q's dtype) and ``lse [B, Hq, Nq]`` float32."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     b, hq, nq, _ = q.shape
     cfg = config_for("fwd", q.shape[-1])
-    plan = _plan(mask, positions, cfg, False, q_offset, rows_key)
+    plan = _plan(mask, positions, cfg, False, q_offset)
     out = torch.empty(*q.shape[:3], v.shape[-1], dtype=_buffer_dtype(q.dtype), device=q.device)
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
     pos = positions.to(torch.int32)
@@ -134,7 +129,7 @@ def _delta(out, dout, dlse):
     return delta.contiguous()
 
 
-def bwd_kv(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset=None, rows_key=None):
+def bwd_kv(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset=None):
     """dK, dV: one program per key block, looping over the query blocks that see it (all query heads of
     its KV head)."""
     b, hq, nq, d = q.shape
@@ -142,7 +137,7 @@ def bwd_kv(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offse
     dk = torch.empty_like(k, dtype=_buffer_dtype(k.dtype))
     dv = torch.empty_like(v, dtype=_buffer_dtype(v.dtype))
     cfg = config_for("bwd_kv", d)
-    plan = _plan(mask, positions, cfg, True, q_offset, rows_key)
+    plan = _plan(mask, positions, cfg, True, q_offset)
     flashmask_bwd_kv_kernel[(plan.num_outer, b * hkv)](
         q, k, v, dout, lse, delta, dk, dv, mask.fms, mask.fme,
         positions.to(torch.int32), *_plan_args(plan),
@@ -156,12 +151,12 @@ def bwd_kv(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offse
     return dk.to(k.dtype), dv.to(v.dtype)
 
 
-def bwd_q(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset=None, rows_key=None):
+def bwd_q(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset=None):
     """dQ: a separate pass over the forward's tiles (deterministic: no atomics)."""
     b, hq, nq, d = q.shape
     dq = torch.empty_like(q, dtype=_buffer_dtype(q.dtype))
     cfg = config_for("bwd_q", d)
-    plan = _plan(mask, positions, cfg, False, q_offset, rows_key)
+    plan = _plan(mask, positions, cfg, False, q_offset)
     flashmask_bwd_q_kernel[(plan.num_outer, b * hq)](
         q, k, v, dout, lse, delta, dq, mask.fms, mask.fme, positions.to(torch.int32), *_plan_args(plan),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
@@ -174,7 +169,7 @@ def bwd_q(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset
 
 
 def flashmask_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale, dlse=None, q_offset=None,
-                  deterministic: bool = True, rows_key=None):
+                  deterministic: bool = True):
     """Backward launcher: ``(dq, dk, dv)`` in the inputs' dtypes. ``dlse``: gradient of the lse output.
 
     Always bitwise reproducible (``deterministic`` is accepted for the shared launcher interface): dQ
@@ -185,8 +180,8 @@ def flashmask_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale, dl
     """
     q, k, v, out, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, out, dout))
     delta, lse = _delta(out, dout, dlse), lse.contiguous()
-    dk, dv = bwd_kv(q, k, v, dout, lse, delta, mask, positions, scale, q_offset, rows_key)
-    return bwd_q(q, k, v, dout, lse, delta, mask, positions, scale, q_offset, rows_key), dk, dv
+    dk, dv = bwd_kv(q, k, v, dout, lse, delta, mask, positions, scale, q_offset)
+    return bwd_q(q, k, v, dout, lse, delta, mask, positions, scale, q_offset), dk, dv
 
 
 # Registered as torch.library custom ops (kernels/custom_op.py): no graph breaks under torch.compile,

@@ -53,26 +53,36 @@ class ContextParallel:
             raise ValueError("mesh: expected a 2-D DeviceMesh ('ring', 'ulysses') for mode='hybrid', got None")
 
     def prepare(self, mask: FlashMask, device=None) -> PreparedMask:
-        """The step's prepared mask (collective: every rank calls it)."""
+        """The step's prepared mask (collective: every rank calls it). A mask on the host (where the
+        loader built it) is moved to ``device`` once, and the diagonal chunk learns its document
+        structure there without a device sync."""
         from fm_parallel.distributed.prepared import prepare
 
         prepared = prepare(mask, self.plan, self.group, mesh=self.mesh if self.mode == "hybrid" else None, device=device)
-        self._last = (weakref.ref(mask), mask.fms._version, mask.fme._version, prepared)
+        self._remember(prepared)
         return prepared
 
+    def _remember(self, prepared: PreparedMask) -> None:
+        # Both the mask given and its device copy name this step's mask; their version counters tell an
+        # in-place edit (then the prepared data may be stale).
+        masks = {id(m): (weakref.ref(m), m.fms._version, m.fme._version)
+                 for m in (prepared.mask, prepared.host_mask) if m is not None}
+        self._last = (masks, prepared)
+
     def _prepared(self, q, k, v, mask) -> PreparedMask:
-        """The prepared mask of ``mask``: the last one when it is the same object, unedited, else a new
-        one for this call's tensors (the agreement is then this call's)."""
+        """The prepared mask of ``mask``: the last one when it is the same object (or its device copy),
+        unedited; else a new one for this call's tensors."""
         if isinstance(mask, PreparedMask):
             return mask
-        last = self._last
-        if last is not None and last[0]() is mask and isinstance(mask, FlashMask) \
-                and (mask.fms._version, mask.fme._version) == last[1:3]:
-            return last[3]
+        if self._last is not None and isinstance(mask, FlashMask):
+            known = self._last[0].get(id(mask))
+            if known is not None and known[0]() is mask and (mask.fms._version, mask.fme._version) == known[1:]:
+                return self._last[1]
         mesh = self.mesh if self.mode == "hybrid" else None
+        if isinstance(mask, FlashMask) and mask.device != q.device:  # the loader's host mask: moved once
+            return self.prepare(mask, device=q.device)
         prepared, _, _ = for_call(q, k, v, mask, self.plan, self.group, mesh=mesh)
-        if isinstance(mask, FlashMask):
-            self._last = (weakref.ref(mask), mask.fms._version, mask.fme._version, prepared)
+        self._remember(prepared)
         return prepared
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlashMask | PreparedMask,

@@ -69,7 +69,9 @@ def hybrid_attention(
 
     def inner():  # the ring over Ulysses groups, prepared once per step: its plan, mask head slice, orders
         ring_plan, sorts = group_plan(prepared.plan, r, u)
-        local_mask = _rank_mask(prepared.mask, uly_rank, u, hq, hkv, repeat)
+        # From the loader's host mask when there is one: the inner ring's diagonal chunk then learns
+        # its document structure on the host.
+        local_mask = _rank_mask(prepared.host_mask or prepared.mask, uly_rank, u, hq, hkv, repeat)
         order = sorts[g].to(q.device)
         return _prepare(local_mask, ring_plan, ring_group, device=q.device, check=False), order, torch.argsort(order)
 

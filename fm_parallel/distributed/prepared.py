@@ -8,11 +8,15 @@ data loader), and every layer reuses it:
   call's shapes / dtype / device are compared across ranks once per step and shape signature (one
   small all-gather), not per layer;
 * the ring's exact pair table and what each rank needs from each other rank;
-* this rank's query rows on the device (int32, as the kernels read them) and, per source rank, the
-  column mask of that rank's keys;
+* per source rank, the column mask of that rank's keys *in this rank's local rows*: the rank's
+  queries are ``plan.positions[rank]`` (sorted), so an interval of global rows ``[s, e]`` is the
+  contiguous range of local rows between two binary searches. The kernels then always see
+  consecutive rows from 0 (whatever the balance mode: the cheaper consecutive-row launch plans, no
+  per-score row lookup in FA4's mask_mod), and the diagonal chunk of a packed-causal-document or
+  causal mask *is* packed causal documents in local rows (the tokens of a document that this rank
+  holds are adjacent in its order), which ``impl="cute"`` runs on FA4's varlen / causal kernels;
 * the launch plans / FA4 block lists of every (source chunk, this rank's rows): built by the first
-  layer that needs them and cached on those column masks (keyed by this rank, ``rows_key``), so
-  layers 2..L, and the backward, find them;
+  layer that needs them and cached on those column masks, so layers 2..L, and the backward, find them;
 * Ulysses' sequence order and this rank's head slice of the mask; hybrid's group plan and the inner
   ring's prepared mask.
 
@@ -30,7 +34,7 @@ from fm_parallel.distributed.comm import RingComm, check_agreement, check_cp_inp
 from fm_parallel.distributed.sharding import ShardPlan, pair_counts
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["PreparedMask", "prepare", "for_call"]
+__all__ = ["PreparedMask", "prepare", "for_call", "local_rows"]
 
 
 class PreparedMask:
@@ -42,22 +46,22 @@ class PreparedMask:
         table: ``[P, P]`` int64 visible pairs (rank r's queries, rank j's keys), on the CPU.
         needed: ``needed[r][j]``, rank r's queries see rank j's keys.
         rows: this rank's global query rows, ``[N / P]`` int32 on the device.
-        q_offset: ``rows[0]`` when the rows are consecutive (contiguous balance), else None.
+        local_rows: ``arange(N / P)`` int32 on the device, the rows the column masks are written in.
         counters: how often derived data was built (``columns``, ``agreements``), for tests and benchmarks.
     """
 
     def __init__(self, mask: FlashMask, plan: ShardPlan, rank: int, device: torch.device, groups: list | None,
-                 mesh=None):
+                 mesh=None, host_mask: FlashMask | None = None):
         self.mask, self.plan, self.rank, self.device = mask, plan, rank, device
+        # The mask where the loader built it (the CPU), if it was there: the diagonal chunk learns its
+        # document structure from it without a device sync.
+        self.host_mask = host_mask if host_mask is not None and host_mask.device.type == "cpu" else None
         self.world = plan.world_size
         self.groups, self.mesh = groups, mesh
         self.table = pair_counts(mask, plan.positions)
         self.needed = (self.table > 0).tolist()
         self.rows = plan.positions[rank].to(device=device, dtype=torch.int32)
-        self.q_offset = int(plan.positions[rank][0]) if plan.balance == "contiguous" else None
-        # The launch plans of this rank's rows are cached on the column masks under this key (the rows
-        # never change for the prepared object's lifetime, whatever the balance mode).
-        self.rows_key = ("prepared rows", rank, plan.digest())
+        self.local_rows = torch.arange(plan.local_tokens, device=device, dtype=torch.int32)
         self.counters = {"columns": 0, "agreements": 0}
         self._columns: dict[int, FlashMask] = {}
         self._agreed: dict[tuple, tuple[int, int]] = {}
@@ -70,9 +74,16 @@ class PreparedMask:
 
     # ------------------------------------------------------------------ ring
     def columns(self, source: int) -> FlashMask:
-        """The mask's columns of rank ``source``'s keys (rows stay global), made once."""
+        """The mask's columns of rank ``source``'s keys in this rank's local rows (``[0, N / P)``), made once."""
         if source not in self._columns:
-            self._columns[source] = self.mask.select_keys(self.plan.positions[source].to(self.device))
+            if source == self.rank and self.host_mask is not None:
+                # Made on the host, where it learns whether it is packed causal documents (no device sync).
+                cols = local_rows(self.host_mask.select_keys(self.plan.positions[source]), self.plan.positions[self.rank])
+                cols.causal_documents()
+                cols = cols.to(self.device)
+            else:
+                cols = local_rows(self.mask.select_keys(self.plan.positions[source].to(self.device)), self.rows)
+            self._columns[source] = cols
             self.counters["columns"] += 1
         return self._columns[source]
 
@@ -164,7 +175,22 @@ def _prepare(mask, plan, group=None, *, mesh=None, device=None, check: bool) -> 
     elif problem:
         raise ValueError(problem)
     device = mask.device if device is None else torch.device(device)
-    return PreparedMask(mask.to(device), plan, rank, device, groups, mesh)
+    return PreparedMask(mask.to(device), plan, rank, device, groups, mesh, host_mask=mask)
+
+
+def local_rows(columns: FlashMask, rows: torch.Tensor) -> FlashMask:
+    """``columns`` (global rows) rewritten in the local rows of a rank holding the sorted global
+    ``rows``: local row ``i`` is global row ``rows[i]``, so the global interval ``[s, e]`` holds the
+    local rows from the first ``rows[i] >= s`` to the last ``rows[i] <= e``. Intervals stay sorted
+    and disjoint; empty ones become the canonical ``(len(rows), -1)``."""
+    rows = rows.to(device=columns.device, dtype=torch.int64)
+    n = rows.numel()
+    start = torch.searchsorted(rows, columns.fms.to(torch.int64), right=False)
+    end = torch.searchsorted(rows, columns.fme.to(torch.int64), right=True) - 1
+    empty = (start > end) | (columns.fms > columns.fme)
+    fms = torch.where(empty, torch.full_like(start, n), start).to(torch.int32)
+    fme = torch.where(empty, torch.full_like(end, -1), end).to(torch.int32)
+    return FlashMask(fms, fme, n, validate=False)
 
 
 def _plan_rank(group, mesh) -> int:

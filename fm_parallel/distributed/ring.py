@@ -48,11 +48,11 @@ class _Ring:
         self.rank, self.world = self.comm.rank, self.comm.world_size
 
     def launch_args(self, source: int) -> dict:
-        """The column mask of ``source``'s keys and how this rank's rows are named, for the kernels'
-        caches: consecutive rows by their offset, any other rows by the prepared mask's key."""
+        """The column mask of ``source``'s keys in this rank's local rows, which are consecutive from 0
+        whatever the balance mode: the kernels take their consecutive-row paths and cache their
+        launch plans on that mask (made once per step by the prepared mask)."""
         p = self.prepared
-        return dict(mask=p.columns(source), positions=p.rows, q_offset=p.q_offset,
-                    rows_key=None if p.q_offset is not None else p.rows_key)
+        return dict(mask=p.columns(source), positions=p.local_rows, q_offset=0)
 
     def post_kv(self, step: int, k: torch.Tensor, v: torch.Tensor):
         """Send my K/V to ``rank + step`` if it needs them; receive ``rank - step``'s if I do."""

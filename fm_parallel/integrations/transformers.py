@@ -211,7 +211,8 @@ def attention_forward(
             flashmask = _layer_mask(module, query, n_keys, attention_mask, position_ids, cu_seq_lens_q,
                                     cu_seq_lens_k, sliding_window)
             attention_mask = None  # folded in
-    elif flashmask.device != query.device:  # e.g. a collator's CPU mask that the HF Trainer does not move
+    elif flashmask.device != query.device and fm_context is None:  # e.g. a collator's CPU mask (the HF Trainer
+        # does not move it); a context moves it itself, once per step, and keeps the host copy
         mask_in = flashmask
         flashmask = _MOVED.get((mask_in.fms, mask_in.fme), (query.device,), lambda: mask_in.to(query.device))
     if attention_mask is not None and attention_mask.dim() == 2:

@@ -435,9 +435,6 @@ def _logged_step(line: str) -> int:
 def _row_loss(cfg: Config, model, row: Row, mode, group, mesh, cp: int, cp_rank: int, device):
     n = cfg.data.seq_len
     ids, labels = row.input_ids.view(1, n).to(device), row.labels.view(1, n).to(device)
-    if cp > 1:
-        row.mask.digest()  # hashed on the host where the loader built it; .to() carries it (no device sync)
-    mask = row.mask.to(device)
     positions = torch.arange(n, device=device).view(1, n)
     segment, sample = row.segment.view(1, n).to(device), row.sample.view(1, n).to(device)
     ctx = None
@@ -445,7 +442,13 @@ def _row_loss(cfg: Config, model, row: Row, mode, group, mesh, cp: int, cp_rank:
         plan = shard(row.mask, cp, cfg.parallel.balance)
         ctx = ContextParallel(mode, plan, group=None if mode == "hybrid" else group,
                               mesh=group if mode == "hybrid" else None, impl=cfg.parallel.impl or None)
+        # The step's mask prepared once, from the loader's host mask (its digest hashed there, the ranks'
+        # agreement, the pair table, column masks; launch plans on the first layer); every layer of the
+        # policy and reference passes, forward and backward, reuses it.
+        mask = ctx.prepare(row.mask, device=device).mask
         ids, labels, positions, segment, sample = (plan.shard(t, cp_rank, dim=1) for t in (ids, labels, positions, segment, sample))
+    else:
+        mask = row.mask.to(device)
     impl = cfg.parallel.impl or "auto"
     if cfg.data.objective == "sft":
         hidden = _hidden(model, ids, positions, mask, ctx, impl)

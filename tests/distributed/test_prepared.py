@@ -158,13 +158,13 @@ def context_parallel_prepares_once_per_mask(rank, world):
     seen = []
     for _ in range(3):
         ctx.attention(ql, kl, vl, mask)
-        seen.append(id(ctx._last[3]))
+        seen.append(id(ctx._last[1]))
     nxt = masks.document([20, 40, 36])
     ctx.attention(ql, kl, vl, nxt)
-    seen.append(id(ctx._last[3]))
+    seen.append(id(ctx._last[1]))
     nxt.fme.add_(0)  # an in-place edit: the prepared data may be stale
     ctx.attention(ql, kl, vl, nxt)
-    seen.append(id(ctx._last[3]))
+    seen.append(id(ctx._last[1]))
     return {"seen": seen}
 
 
@@ -181,3 +181,43 @@ def test_prepare_refuses_bad_arguments_without_a_process_group():
 
     with pytest.raises(ValueError, match="group: expected an initialised torch.distributed process group"):
         prepare(masks.causal(8), shard(8, 2, "contiguous"))
+
+
+def test_local_rows_rewrites_intervals_exactly():
+    """Column masks in a rank's local rows: the same pictures as the global mask restricted to the
+    rank's rows, for every balance mode and a mask with several intervals per column."""
+    from fm_parallel import masks
+    from fm_parallel.distributed import shard
+    from fm_parallel.distributed.prepared import local_rows
+
+    mask = masks.union(masks.document([20, 40, 36], causal=False), masks.sliding_window(N, 6, sinks=2),
+                       masks.prefix_lm(N, 10))
+    for balance in ("contiguous", "zigzag", "mask"):
+        plan = shard(mask, 4, balance)
+        for r in range(4):
+            rows = plan.positions[r]
+            for j in range(4):
+                cols = mask.select_keys(plan.positions[j])
+                local = local_rows(cols, rows)
+                assert local.num_rows == rows.numel()
+                assert torch.equal(local.to_dense(), cols.to_dense(rows=rows)), (balance, r, j)
+                assert bool((local.fms[local.fms > local.fme] == rows.numel()).all())  # canonical empties
+
+
+def test_the_diagonal_chunk_of_packed_causal_documents_is_packed_causal_documents_in_local_rows():
+    """What lets impl='cute' run FA4's varlen / causal kernels on a rank's own chunk under CP, for
+    every balance mode: the diagonal chunk, made on the host, knows it is causal documents."""
+    from fm_parallel import masks
+    from fm_parallel.distributed import shard
+    from fm_parallel.distributed.prepared import PreparedMask
+
+    for mask in (masks.document([20, 40, 36]), masks.causal(N)):
+        for balance in ("contiguous", "zigzag", "mask"):
+            plan = shard(mask, 4, balance)
+            for r in range(4):
+                prepared = PreparedMask(mask, plan, r, torch.device("cpu"), None, host_mask=mask)
+                docs = prepared.columns(r).causal_documents()
+                assert docs is not None and sum(docs) == N // 4, (balance, r, docs)
+    sliding = masks.sliding_window(N, 6)
+    prepared = PreparedMask(sliding, shard(sliding, 4, "zigzag"), 1, torch.device("cpu"), None, host_mask=sliding)
+    assert prepared.columns(1).causal_documents() is None
