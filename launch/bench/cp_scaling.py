@@ -14,7 +14,9 @@ For each mask (packed documents, DPO), length, balance mode and CP mode, rank 0 
   * transfers skipped, load imbalance (max / mean of the visible pairs per rank, from the planner);
   * exposed time: ``time - single_time / P * imbalance``, what neither the kernel nor the imbalance
     explains (communication not hidden behind compute, and overheads); an estimate, not a trace.
-Times are medians of ``--repeat`` calls after a warm-up, each call ended by a barrier.
+The mask is prepared once per (mask, balance, mode), as the trainer does per step, so a call is what
+one layer costs. Times: min / median / max of ``--repeat`` calls after a warm-up, each ended by a
+barrier; TFLOP/s from the medians.
 Writes docs/benchmarks/cp_scaling_<device>_x<P>.json, a markdown table and a plot.
 """
 
@@ -48,9 +50,9 @@ def build_mask(name: str, n: int):
     raise ValueError(f"mask: expected docs or dpo, got {name!r}")
 
 
-def timed(fn, repeat: int, device, barrier: bool = True) -> float:
-    """Median seconds of ``repeat`` calls after a warm-up; each call ends synchronised (and, with
-    ``barrier``, after every rank finished)."""
+def timed(fn, repeat: int, device, barrier: bool = True) -> dict:
+    """Seconds of ``repeat`` calls after a warm-up, ``{"min", "median", "max"}``; each call ends
+    synchronised (and, with ``barrier``, after every rank finished)."""
 
     def sync():
         if device.type == "cuda":
@@ -67,7 +69,7 @@ def timed(fn, repeat: int, device, barrier: bool = True) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return {"min": min(times), "median": statistics.median(times), "max": max(times)}
 
 
 def ulysses_bytes(n: int, hq: int, hkv: int, d: int, itemsize: int, world: int, with_bwd: bool) -> int:
@@ -94,19 +96,21 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     parser.add_argument("--single-max", type=int, default=1048576, help="longest N for the single-GPU baseline")
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--impl", default=None)
+    parser.add_argument("--impl", default="auto", help="local kernel, resolved like flashmask_attention's")
+    parser.add_argument("--shared-gpu", action="store_true",
+                        help="every rank on cuda:0, gloo, host-staged transfers (mechanics only: times are not NCCL's)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
 
-    from fm_parallel import flashmask_attention
-    from fm_parallel.distributed import RingStats, hybrid_attention, ring_attention, shard, ulysses_attention
+    from fm_parallel import backends, flashmask_attention
+    from fm_parallel.distributed import RingStats, hybrid_attention, prepare, ring_attention, shard, ulysses_attention
     from fm_parallel.distributed.sharding import pair_counts
 
-    rank, world, device, mesh = init_ranks(args.device)
+    rank, world, device, mesh = init_ranks(args.device, shared_gpu=args.shared_gpu)
     cuda = device.type == "cuda"
     dtype, h, hkv, d = DTYPES[args.dtype], args.heads, args.kv_heads, args.head_dim
     itemsize = torch.empty((), dtype=dtype).element_size()
-    impl = args.impl or ("triton" if cuda else "torch")
+    impl = backends.resolve(args.impl, device, dtype, d, chunked=True)
     modes = ["ring"] + (["ulysses"] if h % world == 0 else []) + (["hybrid"] if mesh is not None else [])
     rows = []
     for n in args.ns:
@@ -148,16 +152,19 @@ def main() -> None:
                 dl = torch.randn(1, h, local, d, device=device, dtype=dtype)
                 for mode in modes:
                     stats = RingStats()
+                    # One step's prepared mask (from the host mask, as the trainer does): every call is a layer.
+                    prepared = prepare(mask_cpu, plan, mesh=mesh, device=device) if mode == "hybrid" else \
+                        prepare(mask_cpu, plan, device=device)
 
-                    def call(with_bwd, stats=stats, mode=mode):
+                    def call(with_bwd, stats=stats, mode=mode, prepared=prepared):
                         for t in (ql, kl, vl):
                             t.grad = None
                         if mode == "ring":
-                            out = ring_attention(ql, kl, vl, mask, plan, stats=stats, impl=impl)
+                            out = ring_attention(ql, kl, vl, prepared, stats=stats, impl=impl)
                         elif mode == "ulysses":
-                            out = ulysses_attention(ql, kl, vl, mask, plan, impl=impl)
+                            out = ulysses_attention(ql, kl, vl, prepared, impl=impl)
                         else:
-                            out = hybrid_attention(ql, kl, vl, mask, plan, mesh, stats=stats, impl=impl)
+                            out = hybrid_attention(ql, kl, vl, prepared, None, mesh, stats=stats, impl=impl)
                         if with_bwd:
                             out.backward(dl)
 
@@ -170,8 +177,8 @@ def main() -> None:
                         calls = args.repeat + 1  # the warm-up and the timed calls since the reset
                         sent = torch.tensor([stats.bytes_sent / calls, stats.transfers_skipped / calls], dtype=torch.float64)
                         dist.all_reduce(sent)
-                        row["fwdbwd_tflops_per_gpu"] = 3.5 * flops / world / row["fwdbwd_s"] / 1e12
-                        row["fwd_tflops_per_gpu"] = flops / world / row["fwd_s"] / 1e12
+                        row["fwdbwd_tflops_per_gpu"] = 3.5 * flops / world / row["fwdbwd_s"]["median"] / 1e12
+                        row["fwd_tflops_per_gpu"] = flops / world / row["fwd_s"]["median"] / 1e12
                         if mode == "ulysses":
                             row["bytes_moved"] = ulysses_bytes(n, h, hkv, d, itemsize, world, True)
                         else:
@@ -181,10 +188,10 @@ def main() -> None:
                         row["plain_ring_bytes"] = world * 3 * (world - 1) * 2 * chunk  # K/V fwd, K/V bwd, dK/dV
                         row["ring_pairs_needed"] = int(need.sum())
                         if single:
-                            row["single_fwd_tflops"] = flops / single["fwd_s"] / 1e12
-                            row["single_fwdbwd_tflops"] = 3.5 * flops / single["fwdbwd_s"] / 1e12
+                            row["single_fwd_tflops"] = flops / single["fwd_s"]["median"] / 1e12
+                            row["single_fwdbwd_tflops"] = 3.5 * flops / single["fwdbwd_s"]["median"] / 1e12
                             row["efficiency_fwdbwd"] = row["fwdbwd_tflops_per_gpu"] / row["single_fwdbwd_tflops"]
-                            row["exposed_fwdbwd_s"] = row["fwdbwd_s"] - single["fwdbwd_s"] / world * imbalance
+                            row["exposed_fwdbwd_s"] = row["fwdbwd_s"]["median"] - single["fwdbwd_s"]["median"] / world * imbalance
                     except Exception as e:  # noqa: BLE001 - a mode that cannot run this size is reported
                         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                     rows.append(row)
@@ -200,16 +207,18 @@ def write(rows, args, world, device) -> None:
     tag = f"cp_scaling_{device.type}_x{world}"
     cmd = f"torchrun --nproc_per_node {world} launch/bench/cp_scaling.py " + " ".join(sys.argv[1:])
     (args.out / f"{tag}.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1))
-    lines = ["| N | mask | balance | mode | fwd TF/GPU | fwd+bwd TF/GPU | single-GPU fwd+bwd TF | efficiency | imbalance | GB moved | plain ring GB | exposed s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| N | mask | balance | mode | fwd+bwd ms min / median / max | fwd TF/GPU | fwd+bwd TF/GPU | single-GPU fwd+bwd TF | "
+             "efficiency | imbalance | GB moved | plain ring GB | exposed s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['n']} | {r['mask']} | {r['balance']} | {r['mode']} | {r['error'][:60]} ||||||||")
+            lines.append(f"| {r['n']} | {r['mask']} | {r['balance']} | {r['mode']} | {r['error'][:60]} |||||||||")
             continue
         eff = f"{r['efficiency_fwdbwd']:.0%}" if "efficiency_fwdbwd" in r else "-"
         single = f"{r['single_fwdbwd_tflops']:.3g}" if "single_fwdbwd_tflops" in r else "-"
         exposed = f"{r['exposed_fwdbwd_s']:.3g}" if "exposed_fwdbwd_s" in r else "-"
-        lines.append(f"| {r['n']} | {r['mask']} | {r['balance']} | {r['mode']} | {r['fwd_tflops_per_gpu']:.3g} | "
+        spread = " / ".join(f"{1e3 * r['fwdbwd_s'][k]:.3g}" for k in ("min", "median", "max"))
+        lines.append(f"| {r['n']} | {r['mask']} | {r['balance']} | {r['mode']} | {spread} | {r['fwd_tflops_per_gpu']:.3g} | "
                      f"{r['fwdbwd_tflops_per_gpu']:.3g} | {single} | {eff} | {r['imbalance']:.3f} | "
                      f"{r['bytes_moved'] / 1e9:.3g} | {r['plain_ring_bytes'] / 1e9:.3g} | {exposed} |")
     md = "\n".join(lines)
