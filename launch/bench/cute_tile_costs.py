@@ -83,8 +83,9 @@ def main() -> None:
                         x.grad = None
                     call().backward(do)
 
-                row[mode] = {"full_tiles": full, "partial_tiles": partial, "fwd_ms": bench(call, False),
-                             "fwdbwd_ms": bench(fb, False)}
+                fwd_t, fwdbwd_t = bench(call, False), bench(fb, False)  # min / median / max of the repeats
+                row[mode] = {"full_tiles": full, "partial_tiles": partial, "fwd_ms": fwd_t["median"],
+                             "fwdbwd_ms": fwdbwd_t["median"], "fwd_spread_ms": fwd_t, "fwdbwd_spread_ms": fwdbwd_t}
             finally:
                 cute_flashmask._sparsity = real_sparsity
         for key in ("fwd_ms", "fwdbwd_ms"):  # solve t = c + a F + b P from the three runs

@@ -74,17 +74,20 @@ def build(name: str, n: int):
     raise ValueError(f"mask: expected one of {MASKS}, got {name!r}")
 
 
-def bench(fn, quick: bool) -> float:
+def bench(fn, quick: bool) -> dict:
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100, return_mode="median")
+    times = sorted(do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100, return_mode="all"))
+    return {"min": times[0], "median": times[len(times) // 2], "max": times[-1], "repeats": len(times)}
 
 
 def measure(label, fwd, q, k, v, do, pairs, heads, d, quick, with_bwd=True):
+    """Median ms (TF/s from it) and the min / max of the repeats beside it."""
     row = {"impl": label}
     try:
         t = bench(fwd, quick)
-        row.update(fwd_ms=t, fwd_tflops=4 * heads * d * pairs / t / 1e9)
+        row.update(fwd_ms=t["median"], fwd_ms_min=t["min"], fwd_ms_max=t["max"],
+                   fwd_tflops=4 * heads * d * pairs / t["median"] / 1e9)
         if with_bwd:
             def fb():
                 for x in (q, k, v):
@@ -92,7 +95,8 @@ def measure(label, fwd, q, k, v, do, pairs, heads, d, quick, with_bwd=True):
                 fwd().backward(do)
 
             t2 = bench(fb, quick)
-            row.update(fwdbwd_ms=t2, fwdbwd_tflops=3.5 * 4 * heads * d * pairs / t2 / 1e9)
+            row.update(fwdbwd_ms=t2["median"], fwdbwd_ms_min=t2["min"], fwdbwd_ms_max=t2["max"],
+                       fwdbwd_tflops=3.5 * 4 * heads * d * pairs / t2["median"] / 1e9)
     except Exception as e:  # a peer that cannot run this case is reported, not fatal
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         torch.cuda.empty_cache()
@@ -279,16 +283,25 @@ def load_peers(impls) -> dict:
     return peers
 
 
+def _spread(row: dict, key: str) -> str:
+    if key not in row:
+        return ""
+    if f"{key}_min" not in row:  # rows of runs made before the spread was recorded
+        return f"{row[key]:.3f}"
+    return f"{row[f'{key}_min']:.3f} / {row[key]:.3f} / {row[f'{key}_max']:.3f}"
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| mask | N | D | impl | fwd ms | fwd TF/s | fwd+bwd ms | fwd+bwd TF/s | note |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mask | N | D | impl | fwd ms min / median / max | fwd TF/s | fwd+bwd ms min / median / max | fwd+bwd TF/s | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['mask']} | {r['n']} | {r['head_dim']} | {r['impl']} | | | | | {r['error']} |")
             continue
         note = f"diff vs flex {r['max_abs_diff_vs_flex']:.1e}" if "max_abs_diff_vs_flex" in r else ""
         lines.append(
-            f"| {r['mask']} | {r['n']} | {r['head_dim']} | {r['impl']} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} | "
-            f"{r.get('fwdbwd_ms', float('nan')):.3f} | {r.get('fwdbwd_tflops', float('nan')):.0f} | {note} |"
+            f"| {r['mask']} | {r['n']} | {r['head_dim']} | {r['impl']} | {_spread(r, 'fwd_ms')} | {r['fwd_tflops']:.0f} | "
+            f"{_spread(r, 'fwdbwd_ms')} | {r.get('fwdbwd_tflops', float('nan')):.0f} | {note} |"
         )
     return "\n".join(lines)
 
