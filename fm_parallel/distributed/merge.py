@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["merge"]
+__all__ = ["merge", "merge_into"]
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
@@ -23,3 +23,17 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
     w_new = torch.exp(block_lse.to(lse.dtype) - safe).unsqueeze(-1)
     merged = out * w_old.to(out.dtype) + block_out.to(out.dtype) * w_new.to(out.dtype)
     return merged, new
+
+
+def merge_into(dst: torch.Tensor, lse_dst: torch.Tensor, a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor,
+               lse_b: torch.Tensor) -> None:
+    """:func:`merge` written into ``dst`` / ``lse_dst`` (views allowed, ``dst`` may be ``a``): on CUDA one
+    Triton pass (``fm_parallel.kernels.triton_merge``), elsewhere the PyTorch ops above."""
+    if dst.is_cuda:
+        from fm_parallel.kernels.triton_merge import merge_into as fused
+
+        fused(dst, lse_dst, a, lse_a, b, lse_b)
+        return
+    out, lse = merge(a.to(dst.dtype), lse_a.to(lse_dst.dtype), b, lse_b)
+    dst.copy_(out)
+    lse_dst.copy_(lse)

@@ -130,20 +130,20 @@ def test_ranks_that_disagree_raise_instead_of_hanging(fn, message):
 
 
 def ring_triton_cases(rank, world):
-    """The ring with the Triton kernels (the interpreter here): contiguous shards take the
-    consecutive-row plans (q_offset), zigzag shards the explicit-row ones, cached on the prepared
-    mask's column masks under its rows key. Two "layers" on one prepared mask: the second builds no
+    """The ring with the Triton kernels (the interpreter here), on the prepared mask's column masks in
+    local rows: every balance mode takes the consecutive-row plans, cached on those masks. Two "layers" on one prepared mask: the second builds no
     plan, no column mask and runs no agreement."""
     from fm_parallel import flashmask_attention, masks
     from fm_parallel.distributed import prepare, ring_attention, shard
     from fm_parallel.kernels import triton_flashmask
 
-    builds = {"plans": 0}
+    builds = {"plans": 0, "arbitrary_rows": 0}
     for name in ("build_plan", "build_plans_consecutive"):
         real = getattr(triton_flashmask, name)
 
-        def counted(*a, _real=real, **kw):
+        def counted(*a, _real=real, _name=name, **kw):
             builds["plans"] += 1
+            builds["arbitrary_rows"] += _name == "build_plan"
             return _real(*a, **kw)
 
         setattr(triton_flashmask, name, counted)
@@ -167,8 +167,8 @@ def ring_triton_cases(rank, world):
             out.backward(plan.shard(dout, rank, dim=2))
             per_layer.append([a - b for a, b in zip((builds["plans"], prepared.counters["columns"],
                                                      prepared.counters["agreements"]), before)])
-        results[f"{balance}/state"] = {"q_offset": prepared.q_offset, "first_row": int(plan.positions[rank][0]),
-                                       "per_layer": per_layer}
+        results[f"{balance}/state"] = {"per_layer": per_layer, "arbitrary_rows": builds["arbitrary_rows"],
+                                       "windows": [prepared.window(j) for j in range(world)]}
         results[balance] = {
             "out": (out - plan.shard(ref.detach(), rank, 2)).abs().max().item(),
             "dq": (ql.grad - plan.shard(q.grad, rank, 2)).abs().max().item(),
@@ -188,6 +188,7 @@ def test_ring_with_triton_kernels_on_contiguous_and_zigzag_shards():
             first, second = res[f"{balance}/state"]["per_layer"]
             assert first[0] > 0 and first[1] > 0 and first[2] == 1, first  # plans, column masks, one agreement
             assert second == [0, 0, 0], second  # the next layer reuses all of it
-        # Contiguous rows get their offset (consecutive-row plans); zigzag rows are explicit.
-        assert res["contiguous/state"]["q_offset"] == res["contiguous/state"]["first_row"] == rank * N // 2
-        assert res["zigzag/state"]["q_offset"] is None
+        # Column masks in local rows: every balance mode takes the consecutive-row plans, never the
+        # arbitrary-row builder; and a neighbour's chunk runs on the rows that see it only.
+        assert res["zigzag/state"]["arbitrary_rows"] == 0, res["zigzag/state"]
+        assert any(w != [0, N // 2] for w in res["contiguous/state"]["windows"]), res["contiguous/state"]
