@@ -112,7 +112,7 @@ def build_masks(n: int) -> dict:
     }
 
 
-def rank_layer(args, mask, plan, rank, q, k, v, dout, impl, per_call: bool, timer_record: bool, device):
+def rank_layer(args, mask, plan, rank, q, k, v, dout, impl, per_call: bool, timer_record: bool, device, host_mask=None):
     """One layer (forward + backward) of ``rank``'s ring on this process; returns the step timer."""
     from fm_parallel import backends
     from fm_parallel.distributed.prepared import PreparedMask
@@ -129,7 +129,7 @@ def rank_layer(args, mask, plan, rank, q, k, v, dout, impl, per_call: bool, time
     def layer():
         prepared = state["prepared"]
         if prepared is None or per_call:
-            prepared = PreparedMask(mask, plan, rank, device, None)
+            prepared = PreparedMask(mask, plan, rank, device, None, host_mask=host_mask)  # as prepare() makes it
             state["prepared"] = prepared
         ring = _Ring(prepared, Loopback(rank, world, chunks), 1.0 / math.sqrt(q.shape[-1]), backend, RingStats())
         out = _RingAttention.apply(ql, kl, vl, ring)
@@ -297,7 +297,7 @@ def main() -> None:
                     chunk_bytes = 2 * (n // p) * args.kv_heads * args.head_dim * q.element_size()
                     per_rank, bytes_in = [], []
                     for r in range(p):
-                        layer, timer = rank_layer(args, mask, plan, r, q, k, v, dout, impl, False, True, device)
+                        layer, timer = rank_layer(args, mask, plan, r, q, k, v, dout, impl, False, True, device, mask_cpu)
                         layer()  # warm-up: prepares, builds plans (and compiles)
                         timer.step_ms()
                         for _ in range(args.layers):
@@ -322,7 +322,7 @@ def main() -> None:
                             if args.cprofile:
                                 entry["host_top"] = top_host(layer, args.layers)
                                 print(entry["host_top"])
-                            before, _ = rank_layer(args, mask, plan, r, q, k, v, dout, impl, True, False, device)
+                            before, _ = rank_layer(args, mask, plan, r, q, k, v, dout, impl, True, False, device, mask_cpu)
                             before()
                             torch.cuda.synchronize()
                             t0 = time.perf_counter()

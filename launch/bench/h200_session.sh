@@ -21,6 +21,8 @@
 #                                              # transfers), every family x balance vs one GPU (verify_multi_gpu.py --shared-gpu)
 #   bash launch/bench/h200_session.sh cpcost   # carry [".fa4one"]: per-layer CP kernel / host time per rank and
 #                                              # step on one GPU, and the P = 2, 4, 8 model (cp_layer_cost.py)
+#   bash launch/bench/h200_session.sh cpall    # carry [".fa4one"]: both in one short call (one unpack): cute at
+#                                              # 32k + 128k, Triton at 32k, then the cost model on docs / sliding
 #   NS="16384 65536" bash launch/bench/h200_session.sh costs   # carry [".fa4one"]: partial vs full tile cost
 #                                                   # (cute_tile_costs.py), then cute / FA4 / Flex-FLASH at NS
 #
@@ -36,8 +38,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 stage=${1:-}
 shift || true
-case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost) ;; *)
-  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost" >&2; exit 2 ;; esac
+case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost|cpall) ;; *)
+  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost|cpall" >&2; exit 2 ;; esac
 if [ "$stage" = pack ]; then  # on this machine, not the GPU one
   tmp=$(mktemp -d); tar xJf .fa4big/libs_cu13.tar.xz -C "$tmp"
   for w in .fa4/*.whl; do python3 -m zipfile -e "$w" "$tmp"; done
@@ -118,6 +120,18 @@ case "$stage" in
     fa4
     timeout ${COST_TIMEOUT:-540} python3 launch/bench/cp_layer_cost.py --out "$OUT" ${COST_ARGS:-} 2>&1 \
       | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/cp_layer_cost.log" || true ;;
+  cpall)
+    fa4
+    run_cp() {  # IMPLS NS TIMEOUT
+      timeout $3 python3 -m torch.distributed.run --nproc_per_node 4 launch/bench/verify_multi_gpu.py --shared-gpu \
+        --ns $2 --heads 8 --kv-heads 2 --impls $1 --out "$OUT" 2>&1 | grep -v "UserWarning\|exe_args\|warnings.warn" \
+        | tee "$OUT/verify_cp_virtual_$1.log" | grep -v "^PASS" | tail -12 || true
+    }
+    run_cp cute "32768 131072" ${CUTE_TIMEOUT:-175}
+    run_cp triton "32768" ${TRITON_TIMEOUT:-90}
+    timeout ${COST_TIMEOUT:-110} python3 launch/bench/cp_layer_cost.py --out "$OUT" \
+      ${COST_ARGS:---ns 131072 --ps 2 4 8 --masks docs sliding_sinks --balances zigzag mask --layers 2 --max-seconds 80} 2>&1 \
+      | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/cp_layer_cost.log" | grep -v "^ " || true ;;
   tune)
     python3 launch/bench/tune_triton.py --d 64 128 256 --n 16384 --out "$OUT" --tag tune_triton_all 2>&1 | tee "$OUT/tune.log" ;;
 esac
