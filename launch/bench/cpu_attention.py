@@ -134,7 +134,8 @@ def worker(kind: str, impl: str, mask_name: str, n: int, mode: str, reps: int) -
         t0 = time.perf_counter()
         run(m)
         times.append(time.perf_counter() - t0)
-    return {"time_ms": 1e3 * statistics.median(times), "threads": torch.get_num_threads()}
+    return {"time_ms": 1e3 * statistics.median(times), "time_ms_min": 1e3 * min(times), "time_ms_max": 1e3 * max(times),
+            "threads": torch.get_num_threads()}
 
 
 # ------------------------------------------------------------------ driver
@@ -163,7 +164,7 @@ def io_mib(row: dict) -> float:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| mask | N | mode | torch ms | torch-ckpt ms | SDPA dense ms | speed-up vs SDPA "
+        "| mask | N | mode | torch ms min / median / max | torch-ckpt ms | SDPA dense ms | speed-up vs SDPA "
         "| torch peak MiB | SDPA peak MiB | workspace ratio |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -179,7 +180,8 @@ def table(rows: list[dict]) -> str:
                 # Workspace: peak above what every implementation must hold (output, gradients).
                 ws = (s["peak_mib"] - io_mib(s)) / max(t["peak_mib"] - io_mib(t), 0.5) if "peak_mib" in s else nan
                 lines.append(
-                    f"| {mask_name} | {n} | {mode} | {t['time_ms']:.0f} | {c.get('time_ms', nan):.0f} | "
+                    f"| {mask_name} | {n} | {mode} | {t.get('time_ms_min', nan):.0f} / {t['time_ms']:.0f} / "
+                    f"{t.get('time_ms_max', nan):.0f} | {c.get('time_ms', nan):.0f} | "
                     f"{s.get('time_ms', nan):.0f} | {speed:.1f}x | {t['peak_mib']:.0f} | "
                     f"{s.get('peak_mib', nan):.0f} | {ws:.0f}x |"
                 )

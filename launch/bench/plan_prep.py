@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-def timed(fn, device, repeat: int) -> float:
+def timed(fn, device, repeat: int) -> dict:
+    """``{"min", "median", "max"}`` ms of ``repeat`` runs after a warm-up."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -40,7 +41,12 @@ def timed(fn, device, repeat: int) -> float:
         fn()
         sync()
         times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    return {"min": min(times), "median": statistics.median(times), "max": max(times)}
+
+
+def _put(row: dict, key: str, spread: dict) -> None:
+    """The median under ``key`` (what tables and plots read), the min / max beside it."""
+    row[key], row[f"{key}_spread"] = spread["median"], [spread["min"], spread["max"]]
 
 
 def fresh(mask) -> bool:
@@ -68,14 +74,14 @@ def main() -> None:
     for n in args.ns:
         lengths = masks.sample_lengths(n)
         mask = masks.document(lengths).to(device)
-        row = {"n": n, "device": str(device), "block_shapes": shapes,
-               "builder_ms": timed(lambda: masks.document(lengths), device, args.repeat),
-               "plans_ms": timed(lambda: fresh(mask) and [build_plans_consecutive(mask, 0, n, bm, bn) for bm, bn in shapes],
-                                 device, args.repeat)}
+        row = {"n": n, "device": str(device), "block_shapes": shapes}
+        _put(row, "builder_ms", timed(lambda: masks.document(lengths), device, args.repeat))
+        _put(row, "plans_ms", timed(lambda: fresh(mask) and [build_plans_consecutive(mask, 0, n, bm, bn) for bm, bn in shapes],
+                                    device, args.repeat))
         if device.type == "cuda":  # "plans_ms" is the Triton builder there; the PyTorch one for comparison
-            row["plans_torch_ms"] = timed(
+            _put(row, "plans_torch_ms", timed(
                 lambda: fresh(mask) and [build_plans_consecutive(mask, 0, n, bm, bn, builder="torch") for bm, bn in shapes],
-                device, args.repeat)
+                device, args.repeat))
             row["builders_equal"] = all(
                 torch.equal(getattr(a, f), getattr(b, f))
                 for bm, bn in shapes
@@ -84,19 +90,22 @@ def main() -> None:
                 for f in ("full_offsets", "full_runs", "part_offsets", "part_runs", "order"))
         if n <= args.dense_max:
             pos = torch.arange(n, device=device)
-            row["plans_dense_ms"] = timed(lambda: fresh(mask) and [build_plans(mask, pos, bm, bn) for bm, bn in shapes],
-                                          device, max(1, args.repeat // 2))
+            _put(row, "plans_dense_ms", timed(lambda: fresh(mask) and [build_plans(mask, pos, bm, bn) for bm, bn in shapes],
+                                              device, max(1, args.repeat // 2)))
         rows.append(row)
         print(json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     cmd = "python launch/bench/plan_prep.py " + " ".join(sys.argv[1:])
     (args.out / f"plan_prep_{device.type}.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1))
-    print("\n| N | mask builder ms | plans ms (range-based; Triton on CUDA) | plans ms, PyTorch range-based | "
-          "plans ms (dense grid) | builders equal |\n|---|---|---|---|---|---|")
+    print("\nEach figure: min / median / max ms of the repeats.\n\n| N | mask builder ms | plans ms (range-based; Triton on CUDA) | "
+          "plans ms, PyTorch range-based | plans ms (dense grid) | builders equal |\n|---|---|---|---|---|---|")
+
+    def shown(r, key):
+        return " / ".join(f"{x:.2f}" for x in (r[f"{key}_spread"][0], r[key], r[f"{key}_spread"][1])) if key in r else "-"
+
     for r in rows:
-        dense = f"{r['plans_dense_ms']:.1f}" if "plans_dense_ms" in r else "-"
-        torch_ms = f"{r['plans_torch_ms']:.2f}" if "plans_torch_ms" in r else "-"
-        print(f"| {r['n']} | {r['builder_ms']:.2f} | {r['plans_ms']:.2f} | {torch_ms} | {dense} | {r.get('builders_equal', '-')} |")
+        print(f"| {r['n']} | {shown(r, 'builder_ms')} | {shown(r, 'plans_ms')} | {shown(r, 'plans_torch_ms')} | "
+              f"{shown(r, 'plans_dense_ms')} | {r.get('builders_equal', '-')} |")
     if not all(r.get("builders_equal", True) for r in rows):
         sys.exit("FAIL: the Triton and PyTorch plan builders disagree")
 

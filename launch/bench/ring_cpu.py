@@ -10,7 +10,7 @@ makes (each rank sends its K/V to every other rank, P (P - 1) transfers) against
 (max / mean visible pairs per rank).
 
 Gloo run: 4 CPU ranks, N = 4096, H = 4 (H_kv = 2), D = 64, float32, PyTorch local path; time of one
-forward+backward per rank (median of 3) against one process doing the whole sequence, and the bytes
+forward+backward per rank (min / median / max of --reps) against one process doing the whole sequence, and the bytes
 each rank sent as counted by RingStats.
 
 Writes docs/benchmarks/ring_cpu.json and ring_cpu.md.
@@ -94,6 +94,7 @@ def gloo_case(rank, world, n, reps, out_dir):
                 dist.barrier()
                 times.append(time.perf_counter() - t0)
             results.append(dict(mask=name, balance=balance, rank=rank, ms=1e3 * statistics.median(times),
+                                ms_min=1e3 * min(times), ms_max=1e3 * max(times),
                                 bytes_sent=stats.bytes_sent, posted=stats.transfers_posted,
                                 skipped=stats.transfers_skipped, pairs=stats.visible_pairs))
         if rank == 0:  # the single-process baseline, one thread like each rank
@@ -103,7 +104,8 @@ def gloo_case(rank, world, n, reps, out_dir):
                 t0 = time.perf_counter()
                 flashmask_attention(qs, ks, vs, mask=mask).sum().backward()
                 times.append(time.perf_counter() - t0)
-            results.append(dict(mask=name, balance="single process", rank=0, ms=1e3 * statistics.median(times)))
+            results.append(dict(mask=name, balance="single process", rank=0, ms=1e3 * statistics.median(times),
+                                ms_min=1e3 * min(times), ms_max=1e3 * max(times)))
     with open(os.path.join(out_dir, f"gloo_rank{rank}.json"), "w") as f:
         json.dump(results, f)
 
@@ -152,13 +154,14 @@ def main() -> None:
     gloo = [] if args.skip_run else gloo_rows(args.ranks, args.run_n, args.reps)
     if gloo:
         lines += ["", f"## Gloo run: {args.ranks} CPU ranks, N = {args.run_n}, H = 4 (H_kv = 2), D = 64, float32", "",
-                  "One forward+backward, median of 3; slowest rank. Bytes: sent by all ranks together (forward and backward).", "",
+                  "One forward+backward, min / median / max of the repeats; slowest rank. Bytes: sent by all ranks together (forward and backward).", "",
                   "| mask | balance | ms | single process ms | bytes sent (MiB) | transfers posted / skipped |", "|---|---|---|---|---|---|"]
-        single = {r["mask"]: r["ms"] for r in gloo if r["balance"] == "single process"}
+        spread = lambda r: f"{r['ms_min']:.0f} / {r['ms']:.0f} / {r['ms_max']:.0f}"  # noqa: E731
+        single = {r["mask"]: r for r in gloo if r["balance"] == "single process"}
         for name in dict.fromkeys(r["mask"] for r in gloo):
             for balance in BALANCE_MODES:
                 rs = [r for r in gloo if r["mask"] == name and r["balance"] == balance]
-                lines.append(f"| {name} | {balance} | {max(r['ms'] for r in rs):.0f} | {single[name]:.0f} | "
+                lines.append(f"| {name} | {balance} | {spread(max(rs, key=lambda r: r['ms']))} | {spread(single[name])} | "
                              f"{sum(r['bytes_sent'] for r in rs) / 2**20:.1f} | {sum(r['posted'] for r in rs)} / {sum(r['skipped'] for r in rs)} |")
     args.out.mkdir(parents=True, exist_ok=True)
     cmd = "python launch/bench/ring_cpu.py " + " ".join(sys.argv[1:])
