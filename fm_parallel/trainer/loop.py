@@ -46,7 +46,10 @@ def _init_distributed(timeout_s: float) -> None:
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    if "WORLD_SIZE" in os.environ:  # launched by torchrun: its rendezvous
+    # Launched by torchrun (or any launcher that sets the env:// rendezvous): join it. A bare WORLD_SIZE=1
+    # without MASTER_ADDR is not a launch: accelerate (HF Trainer, TRL) writes it into os.environ once a
+    # process group exists, and a later run in that process, or a child of it, would wait for a rendezvous.
+    if "MASTER_ADDR" in os.environ or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         dist.init_process_group(backend, timeout=timeout)
         return
     # A plain `python` run is one process: an in-memory store, no TCP port that another job could hold.

@@ -130,3 +130,19 @@ def test_sigterm_writes_a_checkpoint(tmp_path):
     done = sorted((out / "checkpoints").glob("step_*"))
     assert done and (done[-1] / "complete").exists()
     assert len(metrics.read_text().splitlines()) < 500
+
+
+def test_a_leaked_world_size_of_one_is_not_a_launch():
+    """accelerate (HF Trainer, TRL) writes WORLD_SIZE=1, RANK=0 into os.environ once a process group
+    exists; a trainer run later in that process, or a child process, must not wait for a rendezvous
+    that no launcher set up (it failed with "MASTER_ADDR expected")."""
+    import subprocess
+    import sys
+
+    code = ("import os; os.environ.update(WORLD_SIZE='1', RANK='0', LOCAL_RANK='0', LOCAL_WORLD_SIZE='1', MASTER_PORT='29500'); "
+            "os.environ.pop('MASTER_ADDR', None); "
+            "from fm_parallel.trainer.loop import _init_distributed; _init_distributed(5.0); "
+            "import torch.distributed as d; print(d.get_world_size(), d.get_rank())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["1", "0"]
