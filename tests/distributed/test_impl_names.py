@@ -17,10 +17,12 @@ N, HQ, HKV, D = 64, 4, 2, 8
 NAMES = [None, "auto", "torch", "triton", "cute", "dense", "bogus", "Triton", ""]
 
 
-def _spy():
-    """Record the name of every backend that runs (launchers, differentiable calls, the dense path)."""
+def _spy(monkeypatch=None):
+    """Record the name of every backend that runs (launchers, differentiable calls, the dense path).
+    In the test process pass ``monkeypatch`` (the spies are undone afterwards); spawned ranks keep them."""
     from fm_parallel import attention, backends
 
+    setattr_ = monkeypatch.setattr if monkeypatch is not None else setattr
     ran = []
     for method in ("forward", "backward", "attention"):
         real = getattr(backends.Backend, method)
@@ -29,14 +31,14 @@ def _spy():
             ran.append(self.name)
             return _real(self, *a, **kw)
 
-        setattr(backends.Backend, method, spied)
+        setattr_(backends.Backend, method, spied)
     real_dense = attention.dense_attention
 
     def dense(*a, **kw):
         ran.append("dense")
         return real_dense(*a, **kw)
 
-    attention.dense_attention = dense
+    setattr_(attention, "dense_attention", dense)
     return ran
 
 
@@ -109,13 +111,13 @@ def test_every_name_through_every_distributed_entry_point_runs_what_the_resolver
         assert ring[bad].startswith("ValueError: impl: expected one of"), ring[bad]
 
 
-def test_every_name_through_the_hugging_face_and_deepspeed_backends():
+def test_every_name_through_the_hugging_face_and_deepspeed_backends(monkeypatch):
     from fm_parallel import masks
     from fm_parallel.integrations import transformers as fm_hf
     from fm_parallel.integrations.deepspeed import FlashMaskLocalAttention
     from tests.integrations.test_transformers import tiny_llama
 
-    ran = _spy()
+    ran = _spy(monkeypatch)
     model = tiny_llama(fm_hf.register()).eval()
     ids = torch.randint(0, 100, (1, 24))
     mask = masks.document([10, 14])
