@@ -11,10 +11,13 @@ padded and yielded, never dropped (a data set smaller than one row is one padded
 A JSONL file is checked in one fast pass before training (:func:`validate_jsonl`): a line that is not
 JSON, not an object, lacks a string field, or is not UTF-8 raises naming ``file:line``.
 
-DPO rows pack several ``[prompt, chosen, rejected]`` samples with the ``dpo`` mask. Each response
-starts with a separator token so that its first real token is predicted from inside the response
-(the prompt's last position cannot predict both responses' first tokens). A sample is never cut: one
-that does not fit a row raises naming its line and sizes.
+DPO rows pack several ``[prompt, chosen, rejected]`` samples with the ``dpo`` mask (``layout="shared"``:
+the prompt computed once). Each response starts with a separator token so that its first real token
+is predicted from inside the response (the prompt's last position cannot predict both responses'
+first tokens). ``layout="separate"`` is the layout TRL trains: ``[prompt, chosen]`` and
+``[prompt, rejected]`` as two causal documents, the prompt computed twice; the same tokens are
+scored, so both layouts give the same loss (what the end-to-end comparison relies on). A sample is
+never cut: one that does not fit a row raises naming its line and sizes.
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ import torch
 from fm_parallel import masks
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["ByteTokenizer", "load_tokenizer", "Row", "sft_rows", "dpo_rows", "stdlib_texts", "validate_jsonl", "DataError"]
+__all__ = ["ByteTokenizer", "load_tokenizer", "Row", "sft_rows", "dpo_rows", "stdlib_texts", "validate_jsonl", "DataError",
+           "DPO_LAYOUTS"]
+
+DPO_LAYOUTS = ("shared", "separate")
 
 
 class DataError(ValueError):
@@ -69,13 +75,17 @@ def load_tokenizer(path: str = ""):
 @dataclass
 class Row:
     """One packed row. ``segment``: per token, -1 padding; for DPO 0 prompt, 1 chosen, 2 rejected.
-    ``sample``: per token, the index of its document (SFT) or sample (DPO) in the row, -1 padding."""
+    ``sample``: per token, the index of its document (SFT) or sample (DPO) in the row, -1 padding.
+    ``positions``: the position ids (rotary embeddings) of each token: the row's index for SFT; for
+    DPO each response continues right after its prompt (the rejected response is not placed after
+    the chosen one), as the collator does and as the separate layout has it by construction."""
 
     input_ids: torch.Tensor  # [N] int64
     labels: torch.Tensor  # [N] int64, -100 where nothing is predicted
     mask: FlashMask  # [1, 1, N]
     segment: torch.Tensor  # [N] int64
     sample: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
 
 
 def stdlib_texts() -> Iterator[str]:
@@ -135,7 +145,8 @@ def _keys(objective: str) -> tuple[str, ...]:
     return ("text",) if objective == "sft" else ("prompt", "chosen", "rejected")
 
 
-def validate_jsonl(path: str, objective: str, seq_len: int | None = None, tokenizer=None, stop=None) -> int:
+def validate_jsonl(path: str, objective: str, seq_len: int | None = None, tokenizer=None, stop=None,
+                   dpo_layout: str = "shared") -> int:
     """One pass over a JSONL data file before training; returns the number of records.
 
     Raises :class:`DataError` naming ``file:line`` for the first line that is not UTF-8, not JSON,
@@ -148,7 +159,7 @@ def validate_jsonl(path: str, objective: str, seq_len: int | None = None, tokeni
     for n, record in _jsonl(path, _keys(objective)):
         count += 1
         if objective == "dpo" and tokenizer is not None and seq_len is not None:
-            _check_dpo_fits(path, n, tokenizer, record, seq_len)
+            _check_dpo_fits(path, n, tokenizer, record, seq_len, dpo_layout)
         if stop is not None and count % 1024 == 0 and stop():
             return -1
     if count == 0:
@@ -156,11 +167,18 @@ def validate_jsonl(path: str, objective: str, seq_len: int | None = None, tokeni
     return count
 
 
-def _check_dpo_fits(path: str, n: int, tokenizer, record: dict, seq_len: int) -> tuple[list[int], list[int], list[int]]:
+def _dpo_size(p: int, c: int, r: int, layout: str) -> int:
+    """Tokens of one sample in a row: each response starts with a separator; ``separate`` repeats the prompt."""
+    return (2 if layout == "separate" else 1) * p + c + r + 2
+
+
+def _check_dpo_fits(path: str, n: int, tokenizer, record: dict, seq_len: int,
+                    layout: str = "shared") -> tuple[list[int], list[int], list[int]]:
     p, c, r = (tokenizer.encode(record[k]) for k in ("prompt", "chosen", "rejected"))
-    size = len(p) + len(c) + len(r) + 2  # each response starts with a separator
+    size = _dpo_size(len(p), len(c), len(r), layout)
     if size > seq_len:
-        raise DataError(f"{path}:{n}: a DPO sample of {size} tokens (prompt {len(p)} + chosen {len(c)} + rejected {len(r)}"
+        prompt = f"prompt {len(p)}" if layout == "shared" else f"2 x prompt {len(p)} (data.dpo_layout = 'separate')"
+        raise DataError(f"{path}:{n}: a DPO sample of {size} tokens ({prompt} + chosen {len(c)} + rejected {len(r)}"
                         f" + 2 separators) does not fit data.seq_len = {seq_len}; raise seq_len or shorten the sample")
     return p, c, r
 
@@ -206,20 +224,21 @@ def _sft_row(tokens, lengths, seq_len, tokenizer) -> Row:
     sample = torch.cat([sample, torch.full((pad,), -1, dtype=torch.int64)])
     labels = _labels(ids, sample, sample >= 0)
     segment = torch.where(sample >= 0, 0, -1)
-    return Row(ids, labels, masks.document(lengths, n=seq_len), segment, sample)
+    return Row(ids, labels, masks.document(lengths, n=seq_len), segment, sample, torch.arange(seq_len))
 
 
-def _dpo_samples(tokenizer, path: str, seq_len: int) -> Iterator[tuple[list[int], list[int], list[int]]]:
+def _dpo_samples(tokenizer, path: str, seq_len: int, layout: str = "shared") -> Iterator[tuple[list[int], list[int], list[int]]]:
     """(prompt, chosen, rejected) token lists. Without a path: from the stdlib, a file's opening as
     the prompt, its true continuation as chosen and another file's text as rejected, each part sized to
-    fit a quarter of a row (synthetic samples, built to fit; a file's samples are never cut)."""
+    fit a quarter of a row (a fifth for the separate layout; synthetic samples, built to fit; a file's
+    samples are never cut). Both layouts get the same samples for the same ``seq_len``."""
     if path:
         for n, r in _jsonl(path, ("prompt", "chosen", "rejected")):
-            yield _check_dpo_fits(path, n, tokenizer, r, seq_len)
+            yield _check_dpo_fits(path, n, tokenizer, r, seq_len, layout)
         return
-    prompt = min(64, seq_len // 4)
-    response = max(min(96, seq_len // 4 - 1), 1)
-    if prompt < 1 or prompt + 2 * (response + 1) > seq_len:
+    prompt = min(64, seq_len // 5)
+    response = max(min(96, seq_len // 5 - 1), 1)
+    if prompt < 1 or _dpo_size(prompt, response, response, "separate") > seq_len:
         raise DataError(f"data.seq_len: expected at least 5 tokens for the built-in DPO samples, got {seq_len}")
     previous = None
     for text in stdlib_texts():
@@ -231,37 +250,46 @@ def _dpo_samples(tokenizer, path: str, seq_len: int) -> Iterator[tuple[list[int]
         previous = ids
 
 
-def dpo_rows(seq_len: int, tokenizer, path: str = "") -> Iterator[Row]:
-    """Packed DPO rows: several [prompt, SEP chosen, SEP rejected] samples per row, the ``dpo`` mask.
-    Samples are never cut; each pass ends with its partial row, padded."""
+def dpo_rows(seq_len: int, tokenizer, path: str = "", layout: str = "shared") -> Iterator[Row]:
+    """Packed DPO rows: several samples per row. ``layout="shared"``: [prompt, SEP chosen, SEP rejected]
+    under the ``dpo`` mask; ``"separate"``: [prompt, SEP chosen] and [prompt, SEP rejected] as two causal
+    documents (TRL's layout). Samples are never cut; each pass ends with its partial row, padded."""
     if not isinstance(seq_len, int) or seq_len < 2:
         raise DataError(f"data.seq_len: expected an int >= 2, got {seq_len!r}")
+    if layout not in DPO_LAYOUTS:
+        raise DataError(f"data.dpo_layout: expected one of {DPO_LAYOUTS}, got {layout!r}")
     while True:
         parts: list[tuple[list[int], list[int], list[int]]] = []
         used = 0
         produced = False
-        for p, c, r in _dpo_samples(tokenizer, path, seq_len):
+        for p, c, r in _dpo_samples(tokenizer, path, seq_len, layout):
             produced = True
+            size = _dpo_size(len(p), len(c), len(r), layout)
             c, r = [tokenizer.bos_id] + c, [tokenizer.bos_id] + r
-            size = len(p) + len(c) + len(r)
             if used + size > seq_len:
-                yield _dpo_row(parts, seq_len, tokenizer)
+                yield _dpo_row(parts, seq_len, tokenizer, layout)
                 parts, used = [], 0
             parts.append((p, c, r))
             used += size
         if not produced:
             raise DataError(f"data.path: expected DPO samples, got none in {path or 'the stdlib corpus'}")
         if parts:
-            yield _dpo_row(parts, seq_len, tokenizer)
+            yield _dpo_row(parts, seq_len, tokenizer, layout)
 
 
-def _dpo_row(parts, seq_len, tokenizer) -> Row:
-    tokens, segment, sample = [], [], []
-    for i, (p, c, r) in enumerate(parts):
-        for seg, piece in enumerate((p, c, r)):
-            tokens += piece
-            segment += [seg] * len(piece)
-            sample += [i] * len(piece)
+def _dpo_row(parts, seq_len, tokenizer, layout: str = "shared") -> Row:
+    tokens, segment, sample, positions = [], [], [], []
+    pieces = ((0, 1), (0, 2)) if layout == "separate" else ((0, 1, 2),)  # segments: 0 prompt, 1 chosen, 2 rejected
+    for i, sample_parts in enumerate(parts):
+        prompt = len(sample_parts[0])
+        for sequence in pieces:
+            for seg in sequence:
+                piece = sample_parts[seg]
+                tokens += piece
+                segment += [seg] * len(piece)
+                sample += [i] * len(piece)
+                # Every response starts right after its prompt: the same positions in both layouts.
+                positions += list(range(len(piece))) if seg == 0 else list(range(prompt, prompt + len(piece)))
     pad = seq_len - len(tokens)
     ids = torch.tensor(tokens + [tokenizer.pad_id] * pad, dtype=torch.int64)
     segment = torch.tensor(segment + [-1] * pad, dtype=torch.int64)
@@ -269,5 +297,9 @@ def _dpo_row(parts, seq_len, tokenizer) -> Row:
     # Score response tokens only, each predicted from inside its own response.
     block = sample * 3 + segment
     labels = _labels(ids, torch.where(sample >= 0, block, -1), segment > 0)
-    mask = masks.dpo([len(p) for p, _, _ in parts], [len(c) for _, c, _ in parts], [len(r) for _, _, r in parts], n=seq_len)
-    return Row(ids, labels, mask, segment, sample)
+    if layout == "separate":
+        mask = masks.document([n for p, c, r in parts for n in (len(p) + len(c), len(p) + len(r))], n=seq_len)
+    else:
+        mask = masks.dpo([len(p) for p, _, _ in parts], [len(c) for _, c, _ in parts], [len(r) for _, _, r in parts], n=seq_len)
+    row_positions = torch.tensor(positions + list(range(len(positions), seq_len)), dtype=torch.int64)
+    return Row(ids, labels, mask, segment, sample, row_positions)

@@ -182,7 +182,7 @@ def _response_logps(model, ids, positions, mask, ctx, impl, labels, segment, sam
 def _rows(cfg: Config, tokenizer):
     if cfg.data.objective == "sft":
         return sft_rows(cfg.data.seq_len, tokenizer, cfg.data.path)
-    return dpo_rows(cfg.data.seq_len, tokenizer, cfg.data.path)
+    return dpo_rows(cfg.data.seq_len, tokenizer, cfg.data.path, cfg.data.dpo_layout)
 
 
 def _lr(cfg: Config, step: int) -> float:
@@ -257,7 +257,7 @@ def _preflight(cfg: Config, tokenizer, stop) -> None:
     if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path: expected a local Hugging Face model folder with a config.json, got {cfg.model.path!r}")
     if cfg.data.path:
-        validate_jsonl(cfg.data.path, cfg.data.objective, cfg.data.seq_len, tokenizer, stop)
+        validate_jsonl(cfg.data.path, cfg.data.objective, cfg.data.seq_len, tokenizer, stop, cfg.data.dpo_layout)
 
 
 def _tokenizer(cfg: Config):
@@ -438,7 +438,7 @@ def _logged_step(line: str) -> int:
 def _row_loss(cfg: Config, model, row: Row, mode, group, mesh, cp: int, cp_rank: int, device):
     n = cfg.data.seq_len
     ids, labels = row.input_ids.view(1, n).to(device), row.labels.view(1, n).to(device)
-    positions = torch.arange(n, device=device).view(1, n)
+    positions = row.positions.view(1, n).to(device)
     segment, sample = row.segment.view(1, n).to(device), row.sample.view(1, n).to(device)
     ctx = None
     if cp > 1:

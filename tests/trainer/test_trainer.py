@@ -146,3 +146,36 @@ def test_a_leaked_world_size_of_one_is_not_a_launch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["1", "0"]
+
+
+def test_dpo_separate_layout_is_trls_and_gives_the_shared_layouts_losses(tmp_path):
+    """data.dpo_layout = "separate" lays a sample out as TRL trains it ([prompt, chosen] and [prompt,
+    rejected], two causal documents, the prompt computed twice); with one sample per row in both
+    layouts the batches are the same samples, so the DPO losses must be equal step by step (what the
+    end-to-end comparison of the two layouts relies on), and under CP too."""
+    data = tmp_path / "dpo.jsonl"
+    texts = [("Q%d: what is the color of the sky over the harbour at dawn? " % i, "Blue, then gold %d." % i * 3,
+              "No idea at all %d." % i * 3) for i in range(4)]
+    data.write_text("".join(json.dumps({"prompt": p, "chosen": c, "rejected": r}) + "\n" for p, c, r in texts))
+    shared = next(dpo_rows(256, ByteTokenizer(), str(data), "shared"))
+    separate = next(dpo_rows(256, ByteTokenizer(), str(data), "separate"))
+    assert int(shared.sample.max()) == int(separate.sample.max()) == 0  # one sample per row in both layouts
+    dense = separate.mask.to_dense()[0, 0]
+    seq = torch.cumsum(torch.cat([torch.tensor([0]), (separate.segment[1:] == 0) & (separate.segment[:-1] != 0)]), 0)
+    real = separate.sample >= 0
+    same = (seq[:, None] == seq[None, :]) & real[:, None] & real[None, :]
+    assert torch.equal(dense, same & torch.ones_like(dense).tril())  # two causal documents, nothing across
+    # The same tokens are scored, with the same targets.
+    for row in (shared, separate):
+        assert sorted(row.labels[row.labels != -100].tolist()) == sorted(shared.labels[shared.labels != -100].tolist())
+    args = TINY + ["--data.objective", "dpo", "--data.path", str(data), "--training.steps", "3"]
+    runs = {}
+    for name, world, extra in (("shared", 1, ["--parallel.cp", "none"]),
+                               ("separate", 1, ["--parallel.cp", "none", "--data.dpo_layout", "separate"]),
+                               ("separate_ring2", 2, ["--parallel.cp", "ring", "--data.dpo_layout", "separate"])):
+        out = str(tmp_path / name)
+        results = run_ranks(_train, world, args + extra, out, timeout=300)
+        assert all("exception" not in r for r in results), [r.get("traceback") for r in results]
+        runs[name] = _losses(out)
+    assert runs["separate"] == pytest.approx(runs["shared"], rel=1e-5), runs
+    assert runs["separate_ring2"] == pytest.approx(runs["shared"], rel=2e-5), runs
