@@ -103,6 +103,24 @@ def test_trainer_attention_benchmark_runs_on_the_cpu(tmp_path):
     assert rows[0]["losses"] == pytest.approx(rows[1]["losses"], rel=1e-4)
 
 
+def test_trainer_attention_dpo_layouts_run_on_the_cpu(tmp_path):
+    """The DPO end-to-end comparison: shared prompt against TRL's layout, samples/s from the rows trained."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "bench" / "trainer_attention.py"), "--shape", "tiny", "--lengths", "2048",
+         "--attention", "flashmask", "--objective", "dpo", "--timed-steps", "2", "--tile-chunk", "128", "--loss-chunk", "128",
+         "--name", "dpo", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "dpo.json").read_text())["rows"]
+    assert [r["attention"] for r in rows] == ["flashmask/shared", "flashmask/separate"], rows
+    shared, separate = rows
+    # A row of the separate layout holds fewer samples (the prompt twice): the comparison is per sample.
+    assert sum(shared["samples_per_step"]) > sum(separate["samples_per_step"]) > 0
+    assert all(r["samples_per_s"] > 0 and r["sample_tokens_per_s"] > 0 for r in rows)
+    assert "flashmask/shared speed-up" in (tmp_path / "dpo.md").read_text()
+
+
 def test_plan_prep_benchmark_runs_on_the_cpu(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "plan_prep.py"), "--device", "cpu", "--ns", "4096", "8192",
                            "--repeat", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)

@@ -3,6 +3,8 @@
     python launch/bench/trainer_attention.py                                   # on the H200: 1B-class, 32k-128k
     python launch/bench/trainer_attention.py --shape tiny --lengths 512 --attention flashmask sdpa --timed-steps 1 \\
         --out /tmp/bench                                                       # mechanics check on a CPU
+    python launch/bench/trainer_attention.py --objective dpo --attention flashmask --name trainer_dpo_h200
+                                            # DPO: shared prompt vs TRL's layout (the prompt twice)
 
 Each run is the real trainer (``fm_parallel.trainer.loop.train``): LoRA SFT on packed standard-library
 text (byte tokenizer), one row of ``seq_len`` tokens per step, no context parallelism, per-layer
@@ -14,7 +16,13 @@ data stream is deterministic), and tokens/s is their total tokens over their tot
 per-step rates, which weighs short steps up); step times are reported as min / median / max. Runs share
 one process, so a run that does not fit is reported and the next one goes on.
 
-Writes docs/benchmarks/trainer_h200.json, trainer_h200.md and trainer_h200.png.
+``--objective dpo`` trains LoRA DPO instead, once per ``--dpo-layouts``: ``shared`` (one prompt per
+sample, the ``dpo`` mask) and ``separate`` (TRL's layout: ``[prompt, chosen]`` and ``[prompt,
+rejected]`` as two causal documents, the prompt computed twice). The samples are the same and the
+losses equal (tested); a row holds fewer samples in the separate layout, so the figure that compares
+them is samples per second (and sample tokens per second, ``prompt + chosen + rejected`` per sample).
+
+Writes docs/benchmarks/<--name>.json, .md and .png.
 """
 
 from __future__ import annotations
@@ -41,16 +49,33 @@ SHAPES = {
 }
 
 
-def one_run(shape: str, attention: str, n: int, args, work: Path) -> dict:
+def dpo_work(n: int, layout: str, steps: int) -> list[tuple[int, int]]:
+    """(samples, sample tokens) of the rows of each step after the first: what the trainer reads
+    (one row per step, the deterministic built-in stream)."""
+    from itertools import islice
+
+    from fm_parallel.trainer.data import ByteTokenizer, dpo_rows
+
+    work = []
+    for row in islice(dpo_rows(n, ByteTokenizer(), "", layout), 1, steps + 1):
+        samples = int(row.sample.max()) + 1
+        prompt_twice = int(((row.segment == 0) & (row.sample >= 0)).sum())
+        tokens = int((row.sample >= 0).sum()) - (prompt_twice // 2 if layout == "separate" else 0)
+        work.append((samples, tokens))
+    return work
+
+
+def one_run(shape: str, attention: str, n: int, args, work: Path, layout: str | None = None) -> dict:
     from fm_parallel.trainer.config import load_config
     from fm_parallel.trainer.loop import train
 
-    out = work / f"{shape}_{attention}_{n}"
-    cfg = load_config(SHAPES[shape] + [
+    out = work / f"{shape}_{attention}_{n}_{layout}"
+    dpo = ["--data.objective", "dpo", "--data.dpo_layout", layout] if layout else []
+    cfg = load_config(SHAPES[shape] + dpo + [
         "--model.attention", attention, "--model.tile_chunk", str(args.tile_chunk), "--data.seq_len", str(n),
         "--training.steps", str(args.timed_steps + 1), "--training.loss_chunk", str(args.loss_chunk), "--parallel.cp", "none",
         "--output.dir", str(out), "--output.checkpoint_every", "0", "--output.overwrite", "true"], environ={})
-    row = {"shape": shape, "attention": attention, "seq_len": n}
+    row = {"shape": shape, "attention": attention if layout is None else f"{attention}/{layout}", "seq_len": n}
     t0 = time.perf_counter()
     try:
         train(cfg)
@@ -62,6 +87,10 @@ def one_run(shape: str, attention: str, n: int, args, work: Path) -> dict:
         row.update(fits=True, tokens_per_s=n * len(timed) / sum(times), step_s=statistics.median(times),
                    step_s_min=min(times), step_s_max=max(times), timed_steps=len(timed), timed_step_s=times, first_step_s=records[0]["step_s"],
                    losses=[r["loss"] for r in records], peak_gib=max((r.get("peak_gib", 0.0) for r in records), default=0.0))
+        if layout is not None:
+            done = dpo_work(n, layout, len(timed))
+            row.update(samples_per_s=sum(w[0] for w in done) / sum(times),
+                       sample_tokens_per_s=sum(w[1] for w in done) / sum(times), samples_per_step=[w[0] for w in done])
     except Exception as e:  # noqa: BLE001 - a baseline that runs out of memory is a result, not a crash
         text = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         row.update(fits=False, error=f"{type(e).__name__}: {text}")
@@ -78,16 +107,23 @@ def write(rows: list[dict], args) -> None:
     cmd = "python launch/bench/trainer_attention.py " + " ".join(sys.argv[1:])
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     (args.out / f"{args.name}.json").write_text(json.dumps({"command": cmd, "device": device, "rows": rows}, indent=1))
-    ours = {(r["shape"], r["seq_len"]): r for r in rows if r["attention"] == "flashmask" and r["fits"]}
-    lines = ["| model | seq_len | attention | tokens/s (total / time) | step s min / median / max | first step s | peak GiB | "
-             "FlashMask speed-up |", "|---|---|---|---|---|---|---|---|"]
+    dpo = args.objective == "dpo"
+    # The reference of each comparison: FlashMask (SFT), the shared-prompt layout with FlashMask (DPO).
+    ours_name = "flashmask/shared" if dpo else "flashmask"
+    rate = "samples_per_s" if dpo else "tokens_per_s"
+    ours = {(r["shape"], r["seq_len"]): r for r in rows if r["attention"] == ours_name and r["fits"]}
+    extra = " samples/s | sample tokens/s |" if dpo else ""
+    lines = [f"| model | seq_len | attention | tokens/s (total / time) |{extra} step s min / median / max | first step s | "
+             f"peak GiB | {ours_name} speed-up |", "|---|---|---|---|" + ("---|---|" if dpo else "") + "---|---|---|---|"]
     for r in rows:
         if not r["fits"]:
-            lines.append(f"| {r['shape']} | {r['seq_len']} | {r['attention']} | did not run: {r['error'][:80]} | | | | |")
+            lines.append(f"| {r['shape']} | {r['seq_len']} | {r['attention']} | did not run: {r['error'][:80]} |"
+                         + (" | |" if dpo else "") + " | | | |")
             continue
         ref = ours.get((r["shape"], r["seq_len"]))
-        speedup = f"{ref['tokens_per_s'] / r['tokens_per_s']:.2f}x" if ref and r["attention"] != "flashmask" else ""
-        lines.append(f"| {r['shape']} | {r['seq_len']} | {r['attention']} | {r['tokens_per_s']:.0f} | "
+        speedup = f"{ref[rate] / r[rate]:.2f}x" if ref and r["attention"] != ours_name else ""
+        cells = f" {r['samples_per_s']:.2f} | {r['sample_tokens_per_s']:.0f} |" if dpo else ""
+        lines.append(f"| {r['shape']} | {r['seq_len']} | {r['attention']} | {r['tokens_per_s']:.0f} |{cells} "
                      f"{r['step_s_min']:.2f} / {r['step_s']:.2f} / {r['step_s_max']:.2f} | "
                      f"{r['first_step_s']:.1f} | {r['peak_gib']:.1f} | {speedup} |")
     md = "\n".join(lines)
@@ -96,10 +132,12 @@ def write(rows: list[dict], args) -> None:
 
     from launch.bench.plots import throughput_vs_length
 
-    series = [(attention, [(r["seq_len"], r["tokens_per_s"]) for r in rows if r["attention"] == attention and r["fits"]],
-               [r["seq_len"] for r in rows if r["attention"] == attention and not r["fits"]]) for attention in args.attention]
-    throughput_vs_length(series, f"LoRA SFT, packed documents, {args.shape} ({device}); x: did not run",
-                         args.out / f"{args.name}.png")
+    labels = list(dict.fromkeys(r["attention"] for r in rows))
+    series = [(label, [(r["seq_len"], r[rate]) for r in rows if r["attention"] == label and r["fits"]],
+               [r["seq_len"] for r in rows if r["attention"] == label and not r["fits"]]) for label in labels]
+    title = (f"LoRA DPO (samples/s), shared prompt vs TRL's layout, {args.shape} ({device})" if dpo
+             else f"LoRA SFT, packed documents, {args.shape} ({device})")
+    throughput_vs_length(series, f"{title}; x: did not run", args.out / f"{args.name}.png")
 
 
 def main() -> None:
@@ -111,6 +149,8 @@ def main() -> None:
     parser.add_argument("--timed-steps", type=int, default=8, help="steps timed after the untimed first one")
     parser.add_argument("--loss-chunk", type=int, default=8192)
     parser.add_argument("--tile-chunk", type=int, default=16384)
+    parser.add_argument("--objective", default="sft", choices=["sft", "dpo"])
+    parser.add_argument("--dpo-layouts", nargs="+", default=["shared", "separate"], choices=["shared", "separate"])
     parser.add_argument("--name", default="trainer_h200")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
@@ -122,8 +162,9 @@ def main() -> None:
             for attention in args.attention:
                 if attention == "sdpa" and n > args.sdpa_max:
                     continue
-                rows.append(one_run(args.shape, attention, n, args, Path(work)))
-                write(rows, args)
+                for layout in (args.dpo_layouts if args.objective == "dpo" else [None]):
+                    rows.append(one_run(args.shape, attention, n, args, Path(work), layout))
+                    write(rows, args)
 
 
 if __name__ == "__main__":
