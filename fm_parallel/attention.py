@@ -8,7 +8,6 @@ computations live in :mod:`fm_parallel.reference` (PyTorch), :mod:`fm_parallel.d
 from __future__ import annotations
 
 import functools
-import logging
 import math
 
 import torch
@@ -22,16 +21,8 @@ from fm_parallel.reference import DEFAULT_BLOCK
 
 __all__ = ["flashmask_attention", "IMPLS"]
 
-log = logging.getLogger("fm_parallel")
 IMPLS = backends.names()  # ("auto", "cute", "triton", "torch", "dense")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_logged: set[str] = set()
-
-
-def _log_once(key: str, message: str) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        log.warning(message)
 
 
 def _check_qkv(q, k, v):
@@ -116,10 +107,6 @@ def _dense_mask(attn_mask, b, hq, hkv, nq, nk, device) -> torch.Tensor:
     if m.dtype != torch.bool and not m.dtype.is_floating_point:
         raise ValueError(f"attn_mask: expected bool (True = visible) or additive float, got {m.dtype}")
     return m
-
-
-def _runs_here(impl: str, device: torch.device) -> bool:
-    return backends.get(impl).runs_on(device)
 
 
 def autocast_inputs(q, k, v):
@@ -215,7 +202,7 @@ def flashmask_attention(
         try:
             mask = builders.from_dense(dense)
         except MaskNotExpressible as e:
-            _log_once(
+            backends.log_once(
                 f"dense:{e}",
                 f"fm_parallel: attn_mask is not expressible as a FlashMask ({e}); "
                 "running chunked dense attention instead (slower, O(N^2) mask memory)",

@@ -137,7 +137,8 @@ def _device_name(device: torch.device) -> str:
         return str(device)
 
 
-def _log_once(key: str, message: str) -> None:
+def log_once(key: str, message: str) -> None:
+    """A warning on the ``fm_parallel`` logger, once per ``key`` (auto skipping a broken backend, the dense fallback)."""
     if key not in _logged:
         _logged.add(key)
         log.warning(message)
@@ -187,6 +188,6 @@ def resolve(impl: str | None, device: torch.device, dtype: torch.dtype | None = 
                 # Not installed: auto skips it by design. Installed but broken (a missing library of FA4's,
                 # say): said once, or auto would fall back to a slower backend silently.
                 if backend.package and importlib.util.find_spec(backend.package) is not None:
-                    _log_once(f"broken:{name}", f"fm_parallel: impl='auto' skips {name!r}, which is installed but "
+                    log_once(f"broken:{name}", f"fm_parallel: impl='auto' skips {name!r}, which is installed but "
                                                 f"does not load ({e}); using the next backend")
     return "torch"
