@@ -22,7 +22,8 @@
 #   bash launch/bench/h200_session.sh cpcost   # carry [".fa4one"]: per-layer CP kernel / host time per rank and
 #                                              # step on one GPU, and the P = 2, 4, 8 model (cp_layer_cost.py)
 #   bash launch/bench/h200_session.sh cpall    # carry [".fa4one"]: both in one short call (one unpack): cute at
-#                                              # 32k + 128k, Triton at 32k, then the cost model on docs / sliding
+#                                              # 32k + 128k from host masks (the trainer's path), cute at 32k
+#                                              # from device masks, Triton at 32k, then the cost model
 #   NS="16384 65536" bash launch/bench/h200_session.sh costs   # carry [".fa4one"]: partial vs full tile cost
 #                                                   # (cute_tile_costs.py), then cute / FA4 / Flex-FLASH at NS
 #
@@ -122,13 +123,14 @@ case "$stage" in
       | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/cp_layer_cost.log" || true ;;
   cpall)
     fa4
-    run_cp() {  # IMPLS NS TIMEOUT
+    run_cp() {  # IMPLS NS TIMEOUT MASK_ON (host: the trainer's path; device: a bare mask's)
       timeout $3 python3 -m torch.distributed.run --nproc_per_node 4 launch/bench/verify_multi_gpu.py --shared-gpu \
-        --ns $2 --heads 8 --kv-heads 2 --impls $1 --out "$OUT" 2>&1 | grep -v "UserWarning\|exe_args\|warnings.warn" \
-        | tee "$OUT/verify_cp_virtual_$1.log" | grep -v "^PASS" | tail -12 || true
+        --ns $2 --heads 8 --kv-heads 2 --impls $1 --mask-on $4 --out "$OUT/$1_$4" 2>&1 \
+        | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/verify_cp_shared_$1_$4.log" | grep -v "^PASS" | tail -12 || true
     }
-    run_cp cute "32768 131072" ${CUTE_TIMEOUT:-175}
-    run_cp triton "32768" ${TRITON_TIMEOUT:-90}
+    run_cp cute "32768 131072" ${CUTE_TIMEOUT:-175} host
+    run_cp cute "32768" ${CUTE_DEVICE_TIMEOUT:-60} device
+    run_cp triton "32768" ${TRITON_TIMEOUT:-90} host
     timeout ${COST_TIMEOUT:-110} python3 launch/bench/cp_layer_cost.py --out "$OUT" \
       ${COST_ARGS:---ns 131072 --ps 2 4 8 --masks docs sliding_sinks --balances zigzag mask --layers 2 --max-seconds 80} 2>&1 \
       | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/cp_layer_cost.log" | grep -v "^ " || true ;;

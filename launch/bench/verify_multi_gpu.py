@@ -90,13 +90,17 @@ def modes(world: int, heads: int) -> list[tuple[str, int]]:
     return out
 
 
-def run_case(mode, uly, mask, plan, q, k, v, dout, ref, mesh, rank, impl):
+def run_case(mode, uly, mask, plan, q, k, v, dout, ref, mesh, rank, impl, mask_on="host"):
     from fm_parallel.distributed import RingStats, hybrid_attention, prepare, ring_attention, ulysses_attention
 
     ql, kl, vl = (plan.shard(t.detach(), rank, 2).requires_grad_() for t in (q, k, v))
     stats = RingStats()
     # Prepared once, as the trainer does per step (one agreement, the pair table, column masks).
-    prepared = prepare(mask, plan, mesh=mesh) if mode == "hybrid" else prepare(mask, plan)
+    # From the loader's host mask (what the trainer and ContextParallel do: the diagonal chunk learns its
+    # document structure there) or from a mask already on the device (what a bare-mask call gets).
+    source = mask.to("cpu") if mask_on == "host" else mask
+    prepared = (prepare(source, plan, mesh=mesh, device=q.device) if mode == "hybrid"
+                else prepare(source, plan, device=q.device))
     if mode == "ring":
         out = ring_attention(ql, kl, vl, prepared, plan, stats=stats, impl=impl)
     elif mode == "ulysses":
@@ -135,6 +139,8 @@ def main() -> None:
     parser.add_argument("--masks", nargs="+", default=["causal", "docs", "docs_bidirectional", "dpo", "rm4",
                                                        "sliding_sinks", "global_window", "prefix_lm"])
     parser.add_argument("--balances", nargs="+", default=["contiguous", "zigzag", "mask"])
+    parser.add_argument("--mask-on", default="host", choices=["host", "device"],
+                        help="where the mask is prepared from: the loader's host copy (the trainer's path) or the device")
     parser.add_argument("--impls", nargs="+", default=["auto"],
                         help="local kernels, each resolved like flashmask_attention's (auto: CuTe on Hopper with "
                              "the [cute] extra, else Triton; PyTorch on CPU)")
@@ -169,7 +175,7 @@ def main() -> None:
             for mode, uly in modes(world, args.heads):
                 t0 = time.perf_counter()
                 try:
-                    errors, stats = run_case(mode, uly, mask, plan, q, k, v, dout, ref, mesh, rank, impl)
+                    errors, stats = run_case(mode, uly, mask, plan, q, k, v, dout, ref, mesh, rank, impl, args.mask_on)
                     row = {"errors": errors, "skipped": stats.transfers_skipped, "posted": stats.transfers_posted}
                     if mode == "ring":
                         row["expected_skipped"] = expected_skips(table, rank)
@@ -180,7 +186,7 @@ def main() -> None:
                 row["seconds"] = time.perf_counter() - t0
                 gathered = [None] * world
                 dist.all_gather_object(gathered, row)
-                case = {"impl": impl, "kernel": resolved, "n": n, "mask": mask_name, "balance": balance,
+                case = {"impl": impl, "kernel": resolved, "n": n, "mask": mask_name, "balance": balance, "mask_on": args.mask_on,
                         "mode": mode, "ulysses": uly,
                         "heads": args.heads, "kv_heads": args.kv_heads, "dtype": args.dtype, "ranks": gathered}
                 tol = TOLERANCE[dtype]
