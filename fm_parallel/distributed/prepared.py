@@ -152,6 +152,9 @@ def prepare(mask: FlashMask, plan: ShardPlan, group=None, *, mesh=None, device=N
 
 def _prepare(mask, plan, group=None, *, mesh=None, device=None, check: bool) -> PreparedMask:
     if not dist.is_initialized():
+        for name, value, kind in (("mask", mask, FlashMask), ("plan", plan, ShardPlan)):
+            if not isinstance(value, kind):
+                raise ValueError(f"{name}: expected a {kind.__name__}, got {type(value).__name__}")
         raise ValueError("group: expected an initialised torch.distributed process group, got none")
     groups = None
     if mesh is not None:

@@ -181,6 +181,10 @@ def test_prepare_refuses_bad_arguments_without_a_process_group():
 
     with pytest.raises(ValueError, match="group: expected an initialised torch.distributed process group"):
         prepare(masks.causal(8), shard(8, 2, "contiguous"))
+    with pytest.raises(ValueError, match="mask: expected a FlashMask, got Tensor"):
+        prepare(torch.zeros(8), shard(8, 2, "contiguous"))
+    with pytest.raises(ValueError, match="plan: expected a ShardPlan, got int"):
+        prepare(masks.causal(8), 2)
 
 
 def test_local_rows_rewrites_intervals_exactly():
