@@ -29,3 +29,12 @@ def test_the_deprecated_launchers_delegate_to_the_registry():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     with pytest.raises(ValueError, match="resolve 'auto' first"):
         launchers.forward(q, k, v, m, rows, 0.3, "auto")
+
+
+def test_context_parallel_refuses_an_unknown_kernel_name_when_built():
+    from fm_parallel.distributed import shard
+    from fm_parallel.distributed.context import ContextParallel
+
+    with pytest.raises(ValueError, match=r"impl: expected one of \('auto', 'cute', 'triton', 'torch', 'dense'\), got 'fa3'"):
+        ContextParallel("ring", shard(8, 2, "contiguous"), impl="fa3")
+    assert ContextParallel("ring", shard(8, 2, "contiguous"), impl="auto").impl == "auto"

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fm_parallel import backends
 from fm_parallel.distributed.hybrid import hybrid_attention
 from fm_parallel.distributed.prepared import PreparedMask, for_call
 from fm_parallel.distributed.ring import RingStats, ring_attention
@@ -51,6 +52,8 @@ class ContextParallel:
             raise ValueError(f"plan: expected a ShardPlan, got {type(self.plan).__name__}")
         if self.mode == "hybrid" and self.mesh is None:
             raise ValueError("mesh: expected a 2-D DeviceMesh ('ring', 'ulysses') for mode='hybrid', got None")
+        if self.impl is not None and self.impl not in backends.names():  # the device decides the rest, per call
+            raise ValueError(f"impl: expected one of {backends.names()}, got {self.impl!r}")
 
     def prepare(self, mask: FlashMask, device=None) -> PreparedMask:
         """The step's prepared mask (collective: every rank calls it). A mask on the host (where the
