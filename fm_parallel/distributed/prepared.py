@@ -50,14 +50,13 @@ class PreparedMask:
         counters: how often derived data was built (``columns``, ``agreements``), for tests and benchmarks.
     """
 
-    def __init__(self, mask: FlashMask, plan: ShardPlan, rank: int, device: torch.device, groups: list | None,
-                 mesh=None, host_mask: FlashMask | None = None):
+    def __init__(self, mask: FlashMask, plan: ShardPlan, rank: int, device: torch.device,
+                 host_mask: FlashMask | None = None):
         self.mask, self.plan, self.rank, self.device = mask, plan, rank, device
         # The mask where the loader built it (the CPU), if it was there: the diagonal chunk learns its
         # document structure from it without a device sync.
         self.host_mask = host_mask if host_mask is not None and host_mask.device.type == "cpu" else None
         self.world = plan.world_size
-        self.groups, self.mesh = groups, mesh
         self.table = pair_counts(mask, plan.positions)
         self.needed = (self.table > 0).tolist()
         self.rows = plan.positions[rank].to(device=device, dtype=torch.int32)
@@ -105,9 +104,7 @@ class PreparedMask:
 
         A call whose ``plan`` or group does not match what the mask was prepared with fails on every
         rank (it joins the agreement with its problem)."""
-        signature = tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else type(t)
-                          for t in (q, k, v))
-        key = (signature, id(group), tuple(id(g) for g in groups) if groups else None)
+        key = _agreement_key(q, k, v, group, groups)
         if key not in self._agreed:
             problem = None
             if plan is not None and plan is not self.plan and (not isinstance(plan, ShardPlan) or plan.digest() != self.plan.digest()):
@@ -123,14 +120,19 @@ class PreparedMask:
 
     def agreed(self, q, k, v, group, result: tuple[int, int], *, groups: list | None = None) -> None:
         """Record an agreement made elsewhere for this signature (a bare-mask call that checked first)."""
-        signature = tuple((tuple(t.shape), t.dtype, t.device.type) for t in (q, k, v))
-        self._agreed[(signature, id(group), tuple(id(g) for g in groups) if groups else None)] = result
+        self._agreed[_agreement_key(q, k, v, group, groups)] = result
 
 
-def _plan_rank(plan: ShardPlan, group, mesh) -> int:
-    if mesh is not None:
-        return mesh.get_local_rank("ring") * mesh["ulysses"].size() + mesh.get_local_rank("ulysses")
-    return dist.get_rank(group)
+def _agreement_key(q, k, v, group, groups) -> tuple:
+    """What an agreement holds for: the call's shapes, dtypes and device types, and its groups."""
+    signature = tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else type(t)
+                      for t in (q, k, v))
+    return signature, id(group), tuple(id(g) for g in groups) if groups else None
+
+
+def _mesh_groups(mesh) -> list | None:
+    """The groups a hybrid grid agrees over, Ulysses then ring (None without a mesh)."""
+    return [mesh.get_group("ulysses"), mesh.get_group("ring")] if mesh is not None else None
 
 
 def prepare(mask: FlashMask, plan: ShardPlan, group=None, *, mesh=None, device=None) -> PreparedMask:
@@ -156,12 +158,11 @@ def _prepare(mask, plan, group=None, *, mesh=None, device=None, check: bool) -> 
             if not isinstance(value, kind):
                 raise ValueError(f"{name}: expected a {kind.__name__}, got {type(value).__name__}")
         raise ValueError("group: expected an initialised torch.distributed process group, got none")
-    groups = None
     if mesh is not None:
         names = getattr(mesh, "mesh_dim_names", None)
         if names is None or tuple(names) != ("ring", "ulysses"):
             raise ValueError(f"mesh: expected a 2-D DeviceMesh with dims ('ring', 'ulysses'), got dims {names}")
-        groups = [mesh.get_group("ulysses"), mesh.get_group("ring")]
+    groups = _mesh_groups(mesh)
     world = mesh.size() if mesh is not None else dist.get_world_size(group)
     rank = _plan_rank(group, mesh)
     problem = None
@@ -178,7 +179,7 @@ def _prepare(mask, plan, group=None, *, mesh=None, device=None, check: bool) -> 
     elif problem:
         raise ValueError(problem)
     device = mask.device if device is None else torch.device(device)
-    return PreparedMask(mask.to(device), plan, rank, device, groups, mesh, host_mask=mask)
+    return PreparedMask(mask.to(device), plan, rank, device, host_mask=mask)
 
 
 def local_rows(columns: FlashMask, rows: torch.Tensor) -> FlashMask:
@@ -205,7 +206,7 @@ def _plan_rank(group, mesh) -> int:
 def for_call(q, k, v, mask, plan, group=None, *, mesh=None) -> tuple[PreparedMask, int, int]:
     """The prepared mask of one attention call and ``(world, rank)``: ``mask`` itself when prepared
     (agreed once per signature), else one prepared for this call after the full per-call agreement."""
-    groups = [mesh.get_group("ulysses"), mesh.get_group("ring")] if mesh is not None else None
+    groups = _mesh_groups(mesh)
     agree_group = None if mesh is not None else group
     if isinstance(mask, PreparedMask):
         world, rank = mask.agree(q, k, v, agree_group, plan=plan, groups=groups)

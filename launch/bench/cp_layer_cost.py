@@ -129,7 +129,7 @@ def rank_layer(args, mask, plan, rank, q, k, v, dout, impl, per_call: bool, time
     def layer():
         prepared = state["prepared"]
         if prepared is None or per_call:
-            prepared = PreparedMask(mask, plan, rank, device, None, host_mask=host_mask)  # as prepare() makes it
+            prepared = PreparedMask(mask, plan, rank, device, host_mask=host_mask)  # as prepare() makes it
             state["prepared"] = prepared
         ring = _Ring(prepared, Loopback(rank, world, chunks), 1.0 / math.sqrt(q.shape[-1]), backend, RingStats())
         out = _RingAttention.apply(ql, kl, vl, ring)

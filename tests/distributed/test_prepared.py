@@ -219,9 +219,9 @@ def test_the_diagonal_chunk_of_packed_causal_documents_is_packed_causal_document
         for balance in ("contiguous", "zigzag", "mask"):
             plan = shard(mask, 4, balance)
             for r in range(4):
-                prepared = PreparedMask(mask, plan, r, torch.device("cpu"), None, host_mask=mask)
+                prepared = PreparedMask(mask, plan, r, torch.device("cpu"), host_mask=mask)
                 docs = prepared.columns(r).causal_documents()
                 assert docs is not None and sum(docs) == N // 4, (balance, r, docs)
     sliding = masks.sliding_window(N, 6)
-    prepared = PreparedMask(sliding, shard(sliding, 4, "zigzag"), 1, torch.device("cpu"), None, host_mask=sliding)
+    prepared = PreparedMask(sliding, shard(sliding, 4, "zigzag"), 1, torch.device("cpu"), host_mask=sliding)
     assert prepared.columns(1).causal_documents() is None
