@@ -43,6 +43,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from launch.bench.host_overhead import top_host  # noqa: E402
 from launch.bench.ranks import DTYPES  # noqa: E402
 
 
@@ -171,24 +172,6 @@ def host_ms(fn, calls: int, sleep_ms: float) -> tuple[float, bool]:
         torch.cuda.synchronize()
     median = sorted(times)[len(times) // 2]
     return median, median >= 0.8 * sleep_ms
-
-
-def top_host(fn, calls: int, lines: int = 22) -> str:
-    """cProfile of ``calls`` layers (host functions by own time)."""
-    import cProfile
-    import io
-    import pstats
-
-    prof = cProfile.Profile()
-    torch.cuda.synchronize()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(lines)
-    return buf.getvalue()
 
 
 def single_gpu_ms(mask, q, k, v, dout, impl, reps: int) -> float:
@@ -320,7 +303,7 @@ def main() -> None:
                             entry["host_ms"], entry["host_syncs"] = host_ms(layer, args.layers,
                                                                             sleep_ms=max(50.0, 4 * entry["device_ms"]["total"]))
                             if args.cprofile:
-                                entry["host_top"] = top_host(layer, args.layers)
+                                entry["host_top"] = top_host(layer, args.layers, lines=22, sort="tottime")
                                 print(entry["host_top"])
                             before, _ = rank_layer(args, mask, plan, r, q, k, v, dout, impl, True, False, device, mask_cpu)
                             before()
