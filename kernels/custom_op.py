@@ -34,6 +34,11 @@ def known_mask(fms: torch.Tensor, fme: torch.Tensor, num_rows: int) -> FlashMask
     return mask if mask is not None else FlashMask(fms, fme, num_rows, validate=False)
 
 
+def _grad_out(dout: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """The output's gradient for the backward launchers: zeros when only the lse was used."""
+    return torch.zeros_like(out) if dout is None else dout.contiguous()
+
+
 def _offset(q_offset: int) -> int | None:
     return None if q_offset < 0 else q_offset
 
@@ -80,9 +85,7 @@ def define_attention_op(name: str, forward: Callable, backward: Callable) -> Cal
 
     def grads(ctx, dout, dlse):
         q, k, v, out, lse, fms, fme, positions = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = bwd_op(q, k, v, out, lse, dout.contiguous(), dlse, fms, fme, positions, ctx.num_rows, ctx.scale,
+        dq, dk, dv = bwd_op(q, k, v, out, lse, _grad_out(dout, out), dlse, fms, fme, positions, ctx.num_rows, ctx.scale,
                             ctx.q_offset, ctx.deterministic)
         return dq, dk, dv, *(None,) * 7
 
@@ -105,9 +108,7 @@ def define_attention_op(name: str, forward: Callable, backward: Callable) -> Cal
         @staticmethod
         def backward(ctx, dout, dlse):
             q, k, v, out, lse, positions = ctx.saved_tensors
-            if dout is None:
-                dout = torch.zeros_like(out)
-            dq, dk, dv = run_backward(q, k, v, out, lse, dout.contiguous(), dlse, ctx.mask, positions, ctx.scale,
+            dq, dk, dv = run_backward(q, k, v, out, lse, _grad_out(dout, out), dlse, ctx.mask, positions, ctx.scale,
                                       ctx.q_offset, ctx.deterministic)
             return dq, dk, dv, *(None,) * 5
 
@@ -115,8 +116,8 @@ def define_attention_op(name: str, forward: Callable, backward: Callable) -> Cal
                   deterministic: bool = True):
         offset = -1 if q_offset is None else q_offset
         if torch.compiler.is_compiling():
-            # Tensors only: the op finds the mask object again by its bounds' identity (known_mask), with
-            # what it knows of its structure and its launch plans.
+            # Tensors only: the op finds the mask object again from its bounds (known_mask), with what it
+            # knows of its structure and its launch plans.
             return fwd_op(q, k, v, mask.fms, mask.fme, positions, mask.num_rows, float(scale), offset, bool(deterministic))
         return Eager.apply(q, k, v, mask, positions, float(scale), offset, bool(deterministic))
 

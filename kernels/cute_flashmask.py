@@ -38,8 +38,7 @@ from fm_parallel.kernels.fa4_sparsity import (fa4_block_sparsity, fa4_block_spar
                                               pack_bounds)
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["attention", "forward", "backward", "cute_fwd", "cute_bwd", "paths", "supports", "unsupported",
-           "unsupported_inputs"]
+__all__ = ["attention", "forward", "backward", "cute_fwd", "cute_bwd", "paths", "supports", "unsupported_inputs"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -64,10 +63,6 @@ def unsupported_inputs(dtype: torch.dtype, head_dim: int | None, value_dim: int 
             return f"{name}: impl='cute' expects a head dim in [8, 256] divisible by 8, got {dim}"
     return None
 
-
-def unsupported(q: torch.Tensor, v: torch.Tensor) -> str | None:
-    """:func:`unsupported_inputs` of tensors."""
-    return unsupported_inputs(q.dtype, q.shape[-1], v.shape[-1])
 
 
 def _bshd(t: torch.Tensor) -> torch.Tensor:
@@ -206,7 +201,7 @@ _attention = define_attention_op("flashmask_cute", cute_fwd, cute_bwd)
 def attention(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None,
               deterministic: bool = False):
     """Differentiable FlashMask attention on FA4's kernels (``fm_parallel::flashmask_cute_fwd``);
-    inputs validated by the caller, :func:`unsupported` included."""
+    inputs validated by the caller, :func:`unsupported_inputs` included."""
     return _attention(q, k, v, mask, positions, scale, q_offset, deterministic)
 
 

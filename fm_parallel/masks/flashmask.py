@@ -273,9 +273,10 @@ class _OwnerIndex:
             self._entries = {k: live for k, refs in self._entries.items() if (live := [r for r in refs if r() is not None])}
 
     def find(self, fms: torch.Tensor, fme: torch.Tensor, num_rows: int) -> "FlashMask | None":
-        for ref in reversed(self._entries.get(self._key(fms, fme), ())):
+        key = self._key(fms, fme)
+        for ref in reversed(self._entries.get(key, ())):
             mask = ref()
-            if (mask is not None and mask.num_rows == num_rows and self._key(mask.fms, mask.fme) == self._key(fms, fme)
+            if (mask is not None and mask.num_rows == num_rows and self._key(mask.fms, mask.fme) == key
                     and mask.fms.stride() == fms.stride() and mask.fme.stride() == fme.stride()
                     and mask.fms.dtype == fms.dtype and mask.fme.dtype == fme.dtype):
                 return mask
