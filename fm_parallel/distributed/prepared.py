@@ -75,16 +75,38 @@ class PreparedMask:
     def columns(self, source: int) -> FlashMask:
         """The mask's columns of rank ``source``'s keys in this rank's local rows (``[0, N / P)``), made once."""
         if source not in self._columns:
-            if source == self.rank and self.host_mask is not None:
-                # Made on the host, where it learns whether it is packed causal documents (no device sync).
-                cols = local_rows(self.host_mask.select_keys(self.plan.positions[source]), self.plan.positions[self.rank])
+            self._make_columns(source)
+        return self._columns[source][0]
+
+    def window(self, source: int) -> tuple[int, int]:
+        """``(r0, r1)``: the local rows that see at least one of rank ``source``'s keys are inside
+        ``[r0, r1)``. The ring runs that chunk on those rows only: a neighbour's chunk that one packed
+        document crosses into costs that document's rows, not ``N / P`` of them (kernels and FA4's
+        per-call passes over every query row alike)."""
+        if source not in self._columns:
+            self._make_columns(source)
+        return self._columns[source][1]
+
+    def _make_columns(self, source: int) -> None:
+        if self.host_mask is not None:
+            # On the host, where the loader built the mask: no device synchronisation, and the diagonal
+            # chunk learns whether it is packed causal documents. Pinned, so the copy does not wait.
+            cols = local_rows(self.host_mask.select_keys(self.plan.positions[source]), self.plan.positions[self.rank])
+            if source == self.rank:
                 cols.causal_documents()
-                cols = cols.to(self.device)
+            window = _row_window(cols)
+            if self.device.type == "cuda":
+                documents = cols.causal_documents()
+                cols = FlashMask(cols.fms.pin_memory().to(self.device, non_blocking=True),
+                                 cols.fme.pin_memory().to(self.device, non_blocking=True), cols.num_rows, validate=False)
+                cols.set_causal_documents(documents)
             else:
-                cols = local_rows(self.mask.select_keys(self.plan.positions[source].to(self.device)), self.rows)
-            self._columns[source] = cols
-            self.counters["columns"] += 1
-        return self._columns[source]
+                cols = cols.to(self.device)
+        else:  # a mask made on the device: one small synchronisation per source and step, for the window
+            cols = local_rows(self.mask.select_keys(self.plan.positions[source].to(self.device)), self.rows)
+            window = _row_window(cols)
+        self._columns[source] = (cols, window)
+        self.counters["columns"] += 1
 
     def comm(self, group) -> RingComm:
         if self._comm is None or self._comm.group is not group:
@@ -195,6 +217,14 @@ def local_rows(columns: FlashMask, rows: torch.Tensor) -> FlashMask:
     fms = torch.where(empty, torch.full_like(start, n), start).to(torch.int32)
     fme = torch.where(empty, torch.full_like(end, -1), end).to(torch.int32)
     return FlashMask(fms, fme, n, validate=False)
+
+
+def _row_window(columns: FlashMask) -> tuple[int, int]:
+    """``(first, last + 1)`` of the rows any interval of ``columns`` holds; ``(0, 0)`` for none."""
+    nonempty = columns.fms <= columns.fme
+    if not bool(nonempty.any()):
+        return 0, 0
+    return int(columns.fms[nonempty].min()), int(columns.fme[nonempty].max()) + 1
 
 
 def _plan_rank(group, mesh) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from fm_parallel import backends
-from fm_parallel.distributed.merge import merge
+from fm_parallel.distributed.merge import merge_into
 from fm_parallel.distributed.prepared import PreparedMask, for_call
 from fm_parallel.distributed.sharding import ShardPlan
 from fm_parallel.masks.flashmask import FlashMask
@@ -47,12 +47,20 @@ class _Ring:
         self.needed = prepared.needed  # needed[r][j]: rank r's queries see rank j's keys
         self.rank, self.world = self.comm.rank, self.comm.world_size
 
-    def launch_args(self, source: int) -> dict:
-        """The column mask of ``source``'s keys in this rank's local rows, which are consecutive from 0
-        whatever the balance mode: the kernels take their consecutive-row paths and cache their
-        launch plans on that mask (made once per step by the prepared mask)."""
+    def launch_args(self, source: int) -> tuple[slice, dict]:
+        """The rows of this rank that see ``source``'s keys (a slice of the local rows) and the launcher
+        arguments for them: the chunk's column mask in local rows, which are consecutive, so the kernels
+        take their consecutive-row paths and cache their launch plans on that mask (made once per step
+        by the prepared mask)."""
         p = self.prepared
-        return dict(mask=p.columns(source), positions=p.local_rows, q_offset=0)
+        r0, r1 = p.window(source)
+        return slice(r0, r1), dict(mask=p.columns(source), positions=p.local_rows[r0:r1], q_offset=r0)
+
+    def chunks_seen(self) -> int:
+        return sum(self.needed[self.rank])
+
+    def users_of_mine(self) -> int:
+        return sum(row[self.rank] for row in self.needed)
 
     def post_kv(self, step: int, k: torch.Tensor, v: torch.Tensor):
         """Send my K/V to ``rank + step`` if it needs them; receive ``rank - step``'s if I do."""
@@ -88,20 +96,31 @@ class _Ring:
 
 
 class _Sum:
-    """A sum of partial tensors. The first is kept as it came (no zero-fill, no copy: a rank that sees
-    one chunk pays nothing); the second starts a float32 (float64) sum owned here, so halves are never
-    accumulated in their own precision and no tensor still being sent is written to."""
+    """A sum of ``expected`` partial tensors, some covering only a window of rows (dim 2).
 
-    def __init__(self, acc: torch.dtype):
-        self.acc, self.value, self.owned = acc, None, False
+    The first full part is kept as it came (no zero-fill, no copy: a rank that sees one chunk pays
+    nothing). With two parts the sum is taken in float32 and rounded once, in the parts' dtype; with
+    more a float32 (float64) sum is owned here and rounded at the end. A part (a tensor still being
+    sent, say) is never written to."""
 
-    def add(self, x: torch.Tensor) -> None:
-        if self.value is None:
+    def __init__(self, acc: torch.dtype, expected: int):
+        self.acc, self.expected = acc, expected
+        self.value, self.owned = None, False
+
+    def add(self, x: torch.Tensor, rows: slice | None = None, like: torch.Tensor | None = None) -> None:
+        """Add ``x``: a whole part, or (``rows`` given) the rows ``rows`` of a tensor shaped like ``like``."""
+        if rows is not None and rows == slice(0, like.shape[2]):
+            rows = None
+        if self.value is None and rows is None:
             self.value = x
+            return
+        running = self.acc if self.expected > 2 else x.dtype
+        if self.value is None:
+            self.value = torch.zeros(like.shape, dtype=running, device=x.device)
         elif not self.owned:
-            self.value, self.owned = self.value.to(self.acc) + x, True
-        else:
-            self.value.add_(x)
+            self.value = self.value.to(running, copy=True)
+        self.owned = True
+        (self.value if rows is None else self.value[:, :, rows]).add_(x)
 
     def result(self, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(like) if self.value is None else self.value.to(like.dtype)
@@ -111,15 +130,24 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        # Two chunks merge in float32 and round once into q's dtype; more keep a float32 running output.
+        running = acc if ring.chunks_seen() > 2 else q.dtype
+        n = q.shape[2]
         out = lse = None
         for _, src, chunk in ring.kv_chunks(k, v):
             if chunk is None:
                 continue
-            o, l = ring.backend.forward(q, chunk[0], chunk[1], scale=ring.scale, **ring.launch_args(src))
-            if out is None:  # the first chunk's result as it is: merged only when a second arrives
+            rows, args = ring.launch_args(src)
+            o, l = ring.backend.forward(q[:, :, rows], chunk[0], chunk[1], scale=ring.scale, **args)
+            if out is None and rows == slice(0, n):  # the first chunk's result as it is
                 out, lse = o, l.to(acc)
-            else:
-                out, lse = merge(out.to(acc), lse, o, l)
+                continue
+            if out is None:  # the first chunk seen covers some rows only
+                out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=running, device=q.device)
+                lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+            elif out.dtype != running:
+                out = out.to(running)
+            merge_into(out[:, :, rows], lse[:, :, rows], out[:, :, rows], lse[:, :, rows], o, l)
         if out is None:  # this rank's queries see no key at all
             out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
             lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
@@ -136,15 +164,17 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         lse = lse if lse.dtype == torch.float64 else lse.float()
-        dq, dk, dv = _Sum(acc), _Sum(acc), _Sum(acc)
+        dq = _Sum(acc, ring.chunks_seen())
+        dk, dv = _Sum(acc, ring.users_of_mine()), _Sum(acc, ring.users_of_mine())
         grads_in_flight = []  # (requests, received dK, received dV)
         for step, src, chunk in ring.kv_chunks(k, v):
             dst = ring.comm.send_to(step)
             part = None
             if chunk is not None:
-                dq_s, dk_s, dv_s = ring.backend.backward(q, chunk[0], chunk[1], out, lse, dout, scale=ring.scale,
-                                                         **ring.launch_args(src))
-                dq.add(dq_s)
+                rows, args = ring.launch_args(src)
+                dq_s, dk_s, dv_s = ring.backend.backward(q[:, :, rows], chunk[0], chunk[1], out[:, :, rows],
+                                                         lse[:, :, rows], dout[:, :, rows], scale=ring.scale, **args)
+                dq.add(dq_s, rows, q)
                 part = (dk_s.contiguous(), dv_s.contiguous())
             if step == 0:
                 if part is not None:

@@ -167,7 +167,8 @@ def ring_triton_cases(rank, world):
             out.backward(plan.shard(dout, rank, dim=2))
             per_layer.append([a - b for a, b in zip((builds["plans"], prepared.counters["columns"],
                                                      prepared.counters["agreements"]), before)])
-        results[f"{balance}/state"] = {"per_layer": per_layer, "arbitrary_rows": builds["arbitrary_rows"]}
+        results[f"{balance}/state"] = {"per_layer": per_layer, "arbitrary_rows": builds["arbitrary_rows"],
+                                       "windows": [prepared.window(j) for j in range(world)]}
         results[balance] = {
             "out": (out - plan.shard(ref.detach(), rank, 2)).abs().max().item(),
             "dq": (ql.grad - plan.shard(q.grad, rank, 2)).abs().max().item(),
@@ -188,5 +189,6 @@ def test_ring_with_triton_kernels_on_contiguous_and_zigzag_shards():
             assert first[0] > 0 and first[1] > 0 and first[2] == 1, first  # plans, column masks, one agreement
             assert second == [0, 0, 0], second  # the next layer reuses all of it
         # Column masks in local rows: every balance mode takes the consecutive-row plans, never the
-        # arbitrary-row builder.
+        # arbitrary-row builder; and a neighbour's chunk runs on the rows that see it only.
         assert res["zigzag/state"]["arbitrary_rows"] == 0, res["zigzag/state"]
+        assert any(w != [0, N // 2] for w in res["contiguous/state"]["windows"]), res["contiguous/state"]
