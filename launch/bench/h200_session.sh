@@ -24,6 +24,8 @@
 #   bash launch/bench/h200_session.sh cpall    # carry [".fa4one"]: both in one short call (one unpack): cute at
 #                                              # 32k + 128k from host masks (the trainer's path), cute at 32k
 #                                              # from device masks, Triton at 32k, then the cost model
+#   bash launch/bench/h200_session.sh dpo      # carry [".fa4one"]: the trainer's shared-prompt DPO against TRL's
+#                                              # layout, prompt : response 1024 : 1024 (DPO_SAMPLE), 16k and 64k
 #   NS="16384 65536" bash launch/bench/h200_session.sh costs   # carry [".fa4one"]: partial vs full tile cost
 #                                                   # (cute_tile_costs.py), then cute / FA4 / Flex-FLASH at NS
 #
@@ -39,8 +41,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 stage=${1:-}
 shift || true
-case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost|cpall) ;; *)
-  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost|cpall" >&2; exit 2 ;; esac
+case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost|cpall|dpo) ;; *)
+  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost|cpall|dpo" >&2; exit 2 ;; esac
 if [ "$stage" = pack ]; then  # on this machine, not the GPU one
   tmp=$(mktemp -d); tar xJf .fa4big/libs_cu13.tar.xz -C "$tmp"
   for w in .fa4/*.whl; do python3 -m zipfile -e "$w" "$tmp"; done
@@ -55,9 +57,9 @@ ln -sfn ../kernels fm_parallel/kernels  # the package mapping of pyproject, with
 export PYTHONPATH="$PWD"
 
 fa4() {  # FlashAttention-4 + CuTe DSL on the path (from .fa4one, or stage 1's /tmp/site + .fa4)
-  if [ -f .fa4one/site.tar.xz ]; then
+  if [ -f .fa4one/site.tar.xz ] && [ ! -d /tmp/site/flash_attn ]; then  # once per machine
     mkdir -p /tmp/site && tar xJf .fa4one/site.tar.xz -C /tmp/site
-  else
+  elif [ ! -f .fa4one/site.tar.xz ]; then
     [ -d /tmp/site/nvidia_cutlass_dsl ] || { echo "no /tmp/site: run the unpack-libs stage first (machine went cold?)"; exit 3; }
     for w in .fa4/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
   fi
@@ -129,11 +131,16 @@ case "$stage" in
         | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/verify_cp_shared_$1_$4.log" | grep -v "^PASS" | tail -12 || true
     }
     run_cp cute "32768 131072" ${CUTE_TIMEOUT:-175} host
-    run_cp cute "32768" ${CUTE_DEVICE_TIMEOUT:-60} device
+    [ "${CUTE_DEVICE_TIMEOUT:-60}" = 0 ] || run_cp cute "32768" ${CUTE_DEVICE_TIMEOUT:-60} device
     run_cp triton "32768" ${TRITON_TIMEOUT:-90} host
     timeout ${COST_TIMEOUT:-110} python3 launch/bench/cp_layer_cost.py --out "$OUT" \
       ${COST_ARGS:---ns 131072 --ps 2 4 8 --masks docs sliding_sinks --balances zigzag mask --layers 2 --max-seconds 80} 2>&1 \
       | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/cp_layer_cost.log" | grep -v "^ " || true ;;
+  dpo)
+    fa4
+    timeout ${DPO_TIMEOUT:-200} python3 launch/bench/trainer_attention.py --objective dpo --attention flashmask \
+      --dpo-sample ${DPO_SAMPLE:-1024 1024} --lengths ${NS:-16384 65536} --out "$OUT" --name trainer_dpo_h200_1to1 2>&1 \
+      | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/trainer_dpo.log" | grep -v "^step\|^ " || true ;;
   tune)
     python3 launch/bench/tune_triton.py --d 64 128 256 --n 16384 --out "$OUT" --tag tune_triton_all 2>&1 | tee "$OUT/tune.log" ;;
 esac

@@ -5,6 +5,8 @@
         --out /tmp/bench                                                       # mechanics check on a CPU
     python launch/bench/trainer_attention.py --objective dpo --attention flashmask --name trainer_dpo_h200
                                             # DPO: shared prompt vs TRL's layout (the prompt twice)
+    python launch/bench/trainer_attention.py --objective dpo --attention flashmask --dpo-sample 1024 1024 \
+        --lengths 16384 65536 --name trainer_dpo_h200_1to1   # prompt : response 1 : 1
 
 Each run is the real trainer (``fm_parallel.trainer.loop.train``): LoRA SFT on packed standard-library
 text (byte tokenizer), one row of ``seq_len`` tokens per step, no context parallelism, per-layer
@@ -49,15 +51,35 @@ SHAPES = {
 }
 
 
-def dpo_work(n: int, layout: str, steps: int) -> list[tuple[int, int]]:
+def write_dpo_samples(path: Path, prompt: int, response: int, count: int = 4096) -> Path:
+    """A JSONL of ``count`` DPO samples of exactly ``prompt`` and ``response`` byte tokens each (the
+    trainer's byte tokenizer): a standard-library file's opening as the prompt, its continuation as
+    chosen, another file's text at the same place as rejected. ASCII openings only, so a character is
+    one token."""
+    from fm_parallel.trainer.data import stdlib_texts
+
+    if prompt < 1 or response < 1:
+        raise SystemExit(f"--dpo-sample: expected PROMPT >= 1 and RESPONSE >= 1 tokens, got {prompt} {response}")
+    need = prompt + response
+    texts = [t[:need] for t in stdlib_texts() if len(t) >= need and t[:need].isascii()]
+    if len(texts) < 2:
+        raise SystemExit(f"--dpo-sample: fewer than two standard-library files hold {need} ASCII characters")
+    with path.open("w") as f:
+        for i in range(count):
+            text, other = texts[i % len(texts)], texts[(i + 1) % len(texts)]
+            f.write(json.dumps({"prompt": text[:prompt], "chosen": text[prompt:], "rejected": other[prompt:]}) + "\n")
+    return path
+
+
+def dpo_work(n: int, layout: str, steps: int, path: str = "") -> list[tuple[int, int]]:
     """(samples, sample tokens) of the rows of each step after the first: what the trainer reads
-    (one row per step, the deterministic built-in stream)."""
+    (one row per step, the deterministic built-in stream or ``path``)."""
     from itertools import islice
 
     from fm_parallel.trainer.data import ByteTokenizer, dpo_rows
 
     work = []
-    for row in islice(dpo_rows(n, ByteTokenizer(), "", layout), 1, steps + 1):
+    for row in islice(dpo_rows(n, ByteTokenizer(), path, layout), 1, steps + 1):
         samples = int(row.sample.max()) + 1
         prompt_twice = int(((row.segment == 0) & (row.sample >= 0)).sum())
         tokens = int((row.sample >= 0).sum()) - (prompt_twice // 2 if layout == "separate" else 0)
@@ -70,7 +92,7 @@ def one_run(shape: str, attention: str, n: int, args, work: Path, layout: str | 
     from fm_parallel.trainer.loop import train
 
     out = work / f"{shape}_{attention}_{n}_{layout}"
-    dpo = ["--data.objective", "dpo", "--data.dpo_layout", layout] if layout else []
+    dpo = ["--data.objective", "dpo", "--data.dpo_layout", layout, "--data.path", args.dpo_path] if layout else []
     cfg = load_config(SHAPES[shape] + dpo + [
         "--model.attention", attention, "--model.tile_chunk", str(args.tile_chunk), "--data.seq_len", str(n),
         "--training.steps", str(args.timed_steps + 1), "--training.loss_chunk", str(args.loss_chunk), "--parallel.cp", "none",
@@ -88,7 +110,7 @@ def one_run(shape: str, attention: str, n: int, args, work: Path, layout: str | 
                    step_s_min=min(times), step_s_max=max(times), timed_steps=len(timed), timed_step_s=times, first_step_s=records[0]["step_s"],
                    losses=[r["loss"] for r in records], peak_gib=max((r.get("peak_gib", 0.0) for r in records), default=0.0))
         if layout is not None:
-            done = dpo_work(n, layout, len(timed))
+            done = dpo_work(n, layout, len(timed), args.dpo_path)
             row.update(samples_per_s=sum(w[0] for w in done) / sum(times),
                        sample_tokens_per_s=sum(w[1] for w in done) / sum(times), samples_per_step=[w[0] for w in done])
     except Exception as e:  # noqa: BLE001 - a baseline that runs out of memory is a result, not a crash
@@ -151,6 +173,9 @@ def main() -> None:
     parser.add_argument("--tile-chunk", type=int, default=16384)
     parser.add_argument("--objective", default="sft", choices=["sft", "dpo"])
     parser.add_argument("--dpo-layouts", nargs="+", default=["shared", "separate"], choices=["shared", "separate"])
+    parser.add_argument("--dpo-sample", nargs=2, type=int, metavar=("PROMPT", "RESPONSE"),
+                        help="DPO samples of exactly these prompt / response token counts (default: the built-in "
+                             "samples, prompt 64, responses 96 at long rows)")
     parser.add_argument("--name", default="trainer_h200")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
@@ -158,6 +183,7 @@ def main() -> None:
         parser.error(f"--timed-steps: expected at least 1 (8 for a reported number), got {args.timed_steps}")
     rows = []
     with tempfile.TemporaryDirectory() as work:
+        args.dpo_path = str(write_dpo_samples(Path(work) / "dpo.jsonl", *args.dpo_sample)) if args.dpo_sample else ""
         for n in args.lengths:
             for attention in args.attention:
                 if attention == "sdpa" and n > args.sdpa_max:
