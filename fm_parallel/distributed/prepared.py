@@ -90,15 +90,17 @@ class PreparedMask:
     def _make_columns(self, source: int) -> None:
         if self.host_mask is not None:
             # On the host, where the loader built the mask: no device synchronisation, and the diagonal
-            # chunk learns whether it is packed causal documents. Pinned, so the copy does not wait.
+            # chunk learns whether it is packed causal documents. Copied with non_blocking from pageable
+            # memory: CUDA stages the bytes before returning and does not wait for the device (pinning
+            # each small tensor costs a page-locked allocation per source and step).
             cols = local_rows(self.host_mask.select_keys(self.plan.positions[source]), self.plan.positions[self.rank])
             if source == self.rank:
                 cols.causal_documents()
             window = _row_window(cols)
             if self.device.type == "cuda":
                 documents = cols.causal_documents()
-                cols = FlashMask(cols.fms.pin_memory().to(self.device, non_blocking=True),
-                                 cols.fme.pin_memory().to(self.device, non_blocking=True), cols.num_rows, validate=False)
+                cols = FlashMask(cols.fms.to(self.device, non_blocking=True),
+                                 cols.fme.to(self.device, non_blocking=True), cols.num_rows, validate=False)
                 cols.set_causal_documents(documents)
             else:
                 cols = cols.to(self.device)
