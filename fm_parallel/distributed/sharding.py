@@ -98,20 +98,27 @@ def row_work(mask: FlashMask) -> torch.Tensor:
 def pair_counts(mask: FlashMask, positions: list[torch.Tensor]) -> torch.Tensor:
     """Exact ``[P, P]`` int64 table: visible pairs between rank r's queries and rank j's keys.
 
-    For every key column of rank j and every interval, the number of rank r's (sorted) rows inside
-    it comes from two binary searches: O(P * N * M * log N), no N x N anything.
-    """
-    p = len(positions)
-    table = torch.zeros(p, p, dtype=torch.int64)
+    ``owned[i, r]`` counts rank r's rows among rows ``< i`` (a prefix sum over the row owners), so a
+    key column's interval ``[s, e]`` holds ``owned[e + 1, r] - owned[s, r]`` of rank r's rows; summed
+    per key owner. O(N * M * P), no N x N anything and no per-pair loop (a P x P loop of binary
+    searches took 27 ms at 128k, P = 8, on each rank and step)."""
+    p, n = len(positions), mask.num_rows
+    device = mask.device
+    owner = torch.full((n,), p, dtype=torch.int64, device=device)  # p: a row no rank holds
+    for r, rows in enumerate(positions):
+        owner[rows.to(device=device, dtype=torch.int64)] = r
+    count_dtype = torch.int32 if n < 2**31 else torch.int64
+    onehot = torch.zeros(n + 1, p + 1, dtype=count_dtype, device=device)
+    onehot[torch.arange(1, n + 1, device=device), owner] = 1
+    owned = torch.cumsum(onehot, 0, dtype=count_dtype)[:, :p]  # [N + 1, P]
+    table = torch.zeros(p, p, dtype=torch.int64, device=device)
     for j, cols in enumerate(positions):
-        sub = mask.select_keys(cols.to(mask.device))
-        s = sub.fms.to(torch.int64).flatten()
-        e = sub.fme.to(torch.int64).flatten()
-        for r, rows in enumerate(positions):
-            rows = rows.to(mask.device)
-            inside = torch.searchsorted(rows, e, right=True) - torch.searchsorted(rows, s, right=False)
-            table[r, j] = int(inside.clamp(min=0).sum())
-    return table
+        sub = mask.select_keys(cols.to(device))
+        s = sub.fms.to(torch.int64).flatten().clamp(0, n)
+        e = (sub.fme.to(torch.int64).flatten() + 1).clamp(0, n)
+        inside = (owned[e] - owned[s]).clamp(min=0)  # [columns x intervals, P]; an empty interval: 0
+        table[:, j] = inside.sum(0, dtype=torch.int64)
+    return table.cpu()
 
 
 def _greedy(work: torch.Tensor, world_size: int, k: int, target: float, neighbours: bool) -> tuple[list[list[int]], float]:
