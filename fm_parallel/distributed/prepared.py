@@ -52,6 +52,13 @@ class PreparedMask:
 
     def __init__(self, mask: FlashMask, plan: ShardPlan, rank: int, device: torch.device,
                  host_mask: FlashMask | None = None):
+        if not isinstance(mask, FlashMask):
+            raise ValueError(f"mask: expected a FlashMask, got {type(mask).__name__}")
+        if not isinstance(plan, ShardPlan):
+            raise ValueError(f"plan: expected a ShardPlan, got {type(plan).__name__}")
+        _check_sizes(mask, plan)
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < plan.world_size:
+            raise ValueError(f"rank: expected an int in [0, {plan.world_size}) (the plan's ranks), got {rank!r}")
         self.mask, self.plan, self.rank, self.device = mask, plan, rank, device
         # The mask where the loader built it (the CPU), if it was there: the diagonal chunk learns its
         # document structure from it without a device sync.
@@ -176,11 +183,19 @@ def prepare(mask: FlashMask, plan: ShardPlan, group=None, *, mesh=None, device=N
     return _prepare(mask, plan, group, mesh=mesh, device=device, check=True)
 
 
+def _check_sizes(mask: FlashMask, plan: ShardPlan) -> None:
+    if mask.num_keys != plan.num_tokens:
+        raise ValueError(f"mask: expected a FlashMask with {plan.num_tokens} key columns (the plan's N), got {mask.num_keys}")
+    if mask.num_rows != plan.num_tokens:  # queries and keys are sharded by the one plan
+        raise ValueError(f"mask: expected a self-attention mask of {plan.num_tokens} rows (the plan's N), got {mask.num_rows}")
+
+
 def _prepare(mask, plan, group=None, *, mesh=None, device=None, check: bool) -> PreparedMask:
     if not dist.is_initialized():
         for name, value, kind in (("mask", mask, FlashMask), ("plan", plan, ShardPlan)):
             if not isinstance(value, kind):
                 raise ValueError(f"{name}: expected a {kind.__name__}, got {type(value).__name__}")
+        _check_sizes(mask, plan)
         raise ValueError("group: expected an initialised torch.distributed process group, got none")
     if mesh is not None:
         names = getattr(mesh, "mesh_dim_names", None)
@@ -195,8 +210,11 @@ def _prepare(mask, plan, group=None, *, mesh=None, device=None, check: bool) -> 
     elif not isinstance(plan, ShardPlan) or plan.world_size != world:
         got = plan.world_size if isinstance(plan, ShardPlan) else type(plan).__name__
         problem = f"plan: expected a ShardPlan for the group's {world} ranks, got {got}"
-    elif mask.num_keys != plan.num_tokens:
-        problem = f"mask: expected a FlashMask with {plan.num_tokens} key columns (the plan's N), got {mask.num_keys}"
+    else:
+        try:
+            _check_sizes(mask, plan)
+        except ValueError as e:
+            problem = str(e)
     if check:
         values = [0, 0] if problem else [mask.digest(), plan.digest()]
         check_agreement(values, ["mask", "plan"], group, problem=problem, groups=groups)

@@ -227,3 +227,30 @@ def test_the_diagonal_chunk_of_packed_causal_documents_is_packed_causal_document
     sliding = masks.sliding_window(N, 6)
     prepared = PreparedMask(sliding, shard(sliding, 4, "zigzag"), 1, torch.device("cpu"), host_mask=sliding)
     assert prepared.columns(1).causal_documents() is None
+
+
+def test_prepared_mask_names_a_bad_rank_mask_or_plan_without_a_process_group():
+    """Checked before anything is built (no group needed): the rank, the mask's columns and rows
+    against the plan; prepare() names a wrong mask before the missing group."""
+    from fm_parallel import masks
+    from fm_parallel.distributed import prepare, shard
+    from fm_parallel.distributed.prepared import PreparedMask
+    from fm_parallel.masks.flashmask import FlashMask
+
+    mask = masks.causal(64)
+    plan = shard(mask, 2, "contiguous")
+    cpu = torch.device("cpu")
+    for rank in (-1, 2, 1.0, True):
+        with pytest.raises(ValueError, match=r"rank: expected an int in \[0, 2\)"):
+            PreparedMask(mask, plan, rank, cpu)
+    with pytest.raises(ValueError, match="mask: expected a FlashMask with 64 key columns"):
+        PreparedMask(masks.causal(32), plan, 0, cpu)
+    with pytest.raises(ValueError, match="plan: expected a ShardPlan"):
+        PreparedMask(mask, [torch.arange(32)], 0, cpu)
+    wide = FlashMask(mask.fms, mask.fme, 96)  # 96 query rows over 64 keys: not self-attention
+    with pytest.raises(ValueError, match="self-attention mask of 64 rows"):
+        PreparedMask(wide, plan, 0, cpu)
+    with pytest.raises(ValueError, match="mask: expected a FlashMask with 64 key columns"):
+        prepare(masks.causal(32), plan)
+    with pytest.raises(ValueError, match="group: expected an initialised"):
+        prepare(mask, plan)
