@@ -69,6 +69,7 @@ class PreparedMask:
         self.rows = plan.positions[rank].to(device=device, dtype=torch.int32)
         self.local_rows = torch.arange(plan.local_tokens, device=device, dtype=torch.int32)
         self.counters = {"columns": 0, "agreements": 0}
+        self._versions = self._bounds_versions()
         self._columns: dict[int, FlashMask] = {}
         self._agreed: dict[tuple, tuple[int, int]] = {}
         self._derived: dict = {}
@@ -135,6 +136,11 @@ class PreparedMask:
 
         A call whose ``plan`` or group does not match what the mask was prepared with fails on every
         rank (it joins the agreement with its problem)."""
+        if self._bounds_versions() != self._versions:
+            # Everything derived (pair table, column masks, windows, plans) describes the old bounds:
+            # running on would be silently wrong.
+            raise ValueError("mask: changed in place after it was prepared (its bounds' version moved); "
+                             "call prepare() again after editing a mask")
         key = _agreement_key(q, k, v, group, groups)
         if key not in self._agreed:
             problem = None
@@ -148,6 +154,10 @@ class PreparedMask:
                                                 problem=problem)
             self.counters["agreements"] += 1
         return self._agreed[key]
+
+    def _bounds_versions(self) -> tuple[int, ...]:
+        masks = (self.mask,) if self.host_mask is None else (self.mask, self.host_mask)
+        return tuple(t._version for m in masks for t in (m.fms, m.fme))
 
     def agreed(self, q, k, v, group, result: tuple[int, int], *, groups: list | None = None) -> None:
         """Record an agreement made elsewhere for this signature (a bare-mask call that checked first)."""

@@ -89,6 +89,12 @@ def prepared_then_misused(rank, world, what):
         prepared = prepare(mask, plan)
         other = shard(mask, world, "zigzag")
         return _outcome(lambda: ring_attention(ql, kl, vl, prepared, other if rank == 0 else plan))
+    if what == "edited":  # the mask edited in place after prepare(): the next call raises, not stale columns
+        mine = _mask()
+        prepared = prepare(mine, plan)
+        ring_attention(ql, kl, vl, prepared)  # a first layer runs
+        mine.fme[..., :8, :] = mine.fms[..., :8, :]  # keys 0..7: seen by their own row only
+        return _outcome(lambda: ring_attention(ql, kl, vl, prepared))
     if what == "bad_mask":  # rank 0's mask has the wrong length: its problem reaches every rank
         mine = masks.causal(N + 2) if rank == 0 else mask
         return _outcome(lambda: prepare(mine, plan))
@@ -99,6 +105,7 @@ def prepared_then_misused(rank, world, what):
     ("mask", "mask: expected the same value on every rank"),
     ("plan", "plan: expected the plan the mask was prepared with"),
     ("bad_mask", "mask: expected a FlashMask with 96 key columns (the plan's N), got 98"),
+    ("edited", "mask: changed in place after it was prepared"),
 ])
 def test_prepare_and_prepared_calls_fail_on_every_rank_alike(what, expected):
     results = run_ranks(prepared_then_misused, 2, what, timeout=120)
