@@ -103,8 +103,8 @@ def main() -> None:
                         calls[kind]()
                         torch.cuda.synchronize()
                         row["compile_s"] = time.perf_counter() - t0
-                        ms = do_bench(calls[kind], warmup=10, rep=40, return_mode="median")
-                        row.update(ms=ms, tflops=2 * MATMULS[kind] * args.heads * d * pairs / ms / 1e9)
+                        lo, ms, hi = do_bench(calls[kind], warmup=10, rep=40, quantiles=[0.0, 0.5, 1.0])
+                        row.update(ms=ms, ms_min=lo, ms_max=hi, tflops=2 * MATMULS[kind] * args.heads * d * pairs / ms / 1e9)
                     except Exception as e:  # e.g. a shape that needs more shared memory than the SM has
                         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
                     rows.append(row)
@@ -117,7 +117,8 @@ def main() -> None:
         ok = [r for r in rows if (r["d"], r["mask"], r["kind"]) == key and "ms" in r]
         if ok:
             best = max(ok, key=lambda r: r["tflops"])
-            print(key, best["config"], f"{best['tflops']:.0f} TF/s")
+            print(key, best["config"], f"{best['tflops']:.0f} TF/s (ms min / median / max "
+                  f"{best['ms_min']:.3f} / {best['ms']:.3f} / {best['ms_max']:.3f})")
 
 
 if __name__ == "__main__":
