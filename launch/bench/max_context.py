@@ -248,7 +248,7 @@ def _plot(results: list[dict], path: Path) -> None:
 
 def _report(results: list[dict], out: Path, cmd: str) -> None:
     (out / "max_context.json").write_text(json.dumps({"command": cmd, "results": results}, indent=1))
-    lines = ["| model | attention | longest step that fits | peak GiB there | host GiB there | layers offloaded | step s | tokens/s | lengths tried (x: did not fit) |",
+    lines = ["| model | attention | longest step that fits | peak GiB there | host GiB there | layers offloaded | step s (one step) | tokens/s (one step) | lengths tried (x: did not fit) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         at = [t for t in r["tried"] if t["n"] == r["longest"] and t["fits"]]

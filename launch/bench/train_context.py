@@ -89,7 +89,7 @@ def write(rows: list[dict], longest: int, args) -> None:
     tag = f"train_context_{args.shape}_{args.cp}_x{args.nproc}"
     cmd = "python launch/bench/train_context.py " + " ".join(sys.argv[1:])
     (args.out / f"{tag}.json").write_text(json.dumps({"command": cmd, "longest": longest, "rows": rows}, indent=1))
-    lines = ["| tokens | fits | step s | tokens/s | peak GiB (fullest rank) | host GiB | note |", "|---|---|---|---|---|---|---|"]
+    lines = ["| tokens | fits | step s (last step) | tokens/s (last step) | peak GiB (fullest rank) | host GiB | note |", "|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["n"]):
         if r["fits"]:
             lines.append(f"| {r['n']} | yes | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} | {r['host_gib']:.1f} | |")
