@@ -121,6 +121,22 @@ def test_trainer_attention_dpo_layouts_run_on_the_cpu(tmp_path):
     assert "flashmask/shared speed-up" in (tmp_path / "dpo.md").read_text()
 
 
+def test_trainer_attention_dpo_samples_of_exact_sizes(tmp_path):
+    """--dpo-sample P R: every sample is P prompt and R response tokens (a separator opens each
+    response), in both layouts; a size below 1 is refused by name."""
+    cmd = [sys.executable, str(ROOT / "launch" / "bench" / "trainer_attention.py"), "--shape", "tiny", "--lengths", "512",
+           "--attention", "flashmask", "--objective", "dpo", "--timed-steps", "1", "--tile-chunk", "128",
+           "--loss-chunk", "128", "--name", "dpo", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd + ["--dpo-sample", "40", "40"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "dpo.json").read_text())["rows"]
+    for r in rows:
+        assert r["sample_tokens_per_s"] / r["samples_per_s"] == pytest.approx(40 + 2 * 41), r
+    assert [sum(r["samples_per_step"]) for r in rows] == [512 // 122, 512 // 162]
+    bad = subprocess.run(cmd + ["--dpo-sample", "0", "40"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--dpo-sample: expected PROMPT >= 1" in bad.stderr
+
+
 def test_plan_prep_benchmark_runs_on_the_cpu(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "plan_prep.py"), "--device", "cpu", "--ns", "4096", "8192",
                            "--repeat", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
