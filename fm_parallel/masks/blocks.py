@@ -14,6 +14,13 @@ For key block ``c`` (columns ``c*Bc .. c*Bc+Bc-1``) and interval slot ``m`` the 
 
 Both tests are conservative, so a partial tile may in truth be empty or full, never the converse.
 Rows need not be contiguous: a block of zigzag positions is summarised by its min and max row.
+
+With several intervals per column, slot ``m`` of one column and slot ``m`` of the next need not be
+alike (sinks or global tokens merge into one interval in some columns and not in others), so a tile
+every column covers through *different* slots would read as partial. The summary therefore holds one
+more slot, a **cover slot**: each column's longest interval, reduced like the others for the full
+test only (its reach bounds are empty, so it never makes a tile partial or visited by itself). A
+tile is full when it lies inside every column's longest interval, which is still never wrong.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ class TileClass(IntEnum):
 
 @dataclass(frozen=True)
 class BlockSummary:
-    """Per key block and interval slot: bounds of ``fms`` / ``fme``, each ``[B, Hm, Tc, M]`` int32."""
+    """Per key block and interval slot: bounds of ``fms`` / ``fme``, each ``[B, Hm, Tc, S]`` int32, with
+    ``S = M`` slots for one interval per column and ``M + 1`` (the cover slot last) for more."""
 
     block: int
     num_keys: int
@@ -61,20 +69,26 @@ def summarize(mask: FlashMask, block: int) -> BlockSummary:
 
     def reduce(x: torch.Tensor, fill: int, op) -> torch.Tensor:
         # Padding columns take the neutral value of the reduction so the short last block is exact.
+        slots = x.shape[-1]
         if pad:
-            x = torch.cat([x, torch.full((b, h, pad, m), fill, dtype=x.dtype, device=x.device)], dim=2)
-        return op(x.view(b, h, tc, block, m), dim=3)
+            x = torch.cat([x, torch.full((b, h, pad, slots), fill, dtype=x.dtype, device=x.device)], dim=2)
+        return op(x.view(b, h, tc, block, slots), dim=3)
 
     amin = lambda x, dim: x.amin(dim=dim)  # noqa: E731
     amax = lambda x, dim: x.amax(dim=dim)  # noqa: E731
-    return BlockSummary(
-        block=block,
-        num_keys=n,
-        min_fms=reduce(mask.fms, big, amin),
-        max_fms=reduce(mask.fms, small, amax),
-        min_fme=reduce(mask.fme, big, amin),
-        max_fme=reduce(mask.fme, small, amax),
-    )
+    min_fms, max_fms = reduce(mask.fms, big, amin), reduce(mask.fms, small, amax)
+    min_fme, max_fme = reduce(mask.fme, big, amin), reduce(mask.fme, small, amax)
+    if m > 1:  # the cover slot (module docstring); one interval per column needs none
+        length = (mask.fme.to(torch.int64) - mask.fms.to(torch.int64)).clamp(min=-1)  # empty: -1 or less
+        pick = length.argmax(dim=-1, keepdim=True)  # the longest (an empty column picks an empty one)
+        cover_fms, cover_fme = mask.fms.gather(-1, pick), mask.fme.gather(-1, pick)  # [B, H, N, 1]
+        cover_max_fms, cover_min_fme = reduce(cover_fms, small, amax), reduce(cover_fme, big, amin)
+        never = lambda x, value: torch.full_like(x, value)  # noqa: E731 - reach bounds that reach nothing
+        min_fms = torch.cat([min_fms, never(cover_max_fms, big)], dim=-1)
+        max_fms = torch.cat([max_fms, cover_max_fms], dim=-1)
+        min_fme = torch.cat([min_fme, cover_min_fme], dim=-1)
+        max_fme = torch.cat([max_fme, never(cover_min_fme, small)], dim=-1)
+    return BlockSummary(block=block, num_keys=n, min_fms=min_fms, max_fms=max_fms, min_fme=min_fme, max_fme=max_fme)
 
 
 def classify_tiles(summary: BlockSummary, row_lo: torch.Tensor, row_hi: torch.Tensor) -> torch.Tensor:

@@ -50,14 +50,36 @@ def test_rule_is_conservative_on_random_multi_interval(seed, block_q, block_k):
         masks.sliding_window(100, 12),
         masks.dpo(50, 25, 25),
         masks.full(100),
+        # Two intervals in some columns, one in others (sinks and global rows merge into one interval
+        # in the sink columns): tiles covered through different slots are full (the cover slot).
+        masks.union(masks.sliding_window(100, 30, sinks=3), masks.FlashMask(torch.zeros(100, dtype=torch.int32), torch.full((100,), 2))),
+        masks.union(masks.sliding_window(100, 40, sinks=5), masks.document([50, 50], causal=True)),
     ],
-    ids=["causal", "document", "sliding", "dpo", "full"],
+    ids=["causal", "document", "sliding", "dpo", "full", "global_window", "sinks_window_docs"],
 )
 @pytest.mark.parametrize("block", [1, 7, 16])
 def test_rule_is_exact_on_common_masks(mask, block):
     positions = torch.arange(100)
     got = classify(mask, positions, block, block)[0, 0]
     assert torch.equal(got, truth(mask.to_dense()[0, 0], positions, block, block))
+
+
+def test_the_cover_slot_makes_tiles_full_that_slots_alone_leave_partial():
+    """Global rows 0..2 + a window + sinks: below the global rows, key block 0 is covered by slot 0 in
+    the sink columns and by slot 1 in the others. The slots alone call those tiles partial."""
+    n, block = 128, 8
+    mask = masks.union(masks.sliding_window(n, 64, sinks=3), masks.FlashMask(torch.zeros(n, dtype=torch.int32), torch.full((n,), 2)))
+    assert mask.max_intervals == 2
+    summary = mask.block_summary(block)
+    assert summary.min_fms.shape[-1] == 3  # two slots and the cover slot
+    got = classify(mask, torch.arange(n), block, block)[0, 0]
+    want = truth(mask.to_dense()[0, 0], torch.arange(n), block, block)
+    assert torch.equal(got, want)
+    slots_only = masks.blocks.BlockSummary(block, n, *(t[..., :2] for t in (summary.min_fms, summary.max_fms,
+                                                                            summary.min_fme, summary.max_fme)))
+    lo, hi = masks.row_block_bounds(torch.arange(n), block)
+    before = masks.classify_tiles(slots_only, lo, hi)[0, 0]
+    assert int((before == TileClass.FULL).sum()) < int((got == TileClass.FULL).sum())
 
 
 def test_rule_with_q_offset_slice():
