@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -269,3 +270,16 @@ def test_h200_session_stages_build_the_intended_commands(tmp_path):
     one = stage("verify")
     assert one.returncode == 0 and "verify_gpu.py --impls cute triton" in one.stdout, one.stdout + one.stderr
     assert (site / "nvidia_cutlass_dsl").is_dir()
+
+
+@pytest.mark.parametrize("name", ["causal", "docs", "dpo", "sliding", "prefix", "multi", "window_sinks", "global_window"])
+def test_kernel_benchmark_masks_equal_the_flex_predicates_they_are_compared_with(name):
+    """The benchmark times our FlashMask against Flex running the predicate a Flex user would write:
+    both must be the same mask, or the ratio compares different work."""
+    from launch.bench.kernel import MASKS, build
+
+    assert name in MASKS
+    n = 2048
+    fm, predicate = build(name, n)
+    q, k = torch.arange(n).view(n, 1), torch.arange(n).view(1, n)
+    assert torch.equal(fm.to_dense()[0, 0], predicate(0, 0, q, k))

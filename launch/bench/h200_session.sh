@@ -26,6 +26,11 @@
 #                                              # from device masks, Triton at 32k, then the cost model
 #   bash launch/bench/h200_session.sh dpo      # carry [".fa4one"]: the trainer's shared-prompt DPO against TRL's
 #                                              # layout, prompt : response 1024 : 1024 (DPO_SAMPLE), 16k and 64k
+#   bash launch/bench/h200_session.sh next     # carry [".fa4one", ".fa4extra"]: what the 2026-12-03 sessions left:
+#                                              # windows compile once (window_compiles.py), issue 21's two masks
+#                                              # (window_sinks, global_window: cute / Flex-FLASH / triton / Flex at
+#                                              # 16k, 64k, cover slot included), then CP with row windows at 128k
+#                                              # (cute, then triton) from host masks
 #   NS="16384 65536" bash launch/bench/h200_session.sh costs   # carry [".fa4one"]: partial vs full tile cost
 #                                                   # (cute_tile_costs.py), then cute / FA4 / Flex-FLASH at NS
 #
@@ -41,8 +46,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 stage=${1:-}
 shift || true
-case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost|cpall|dpo) ;; *)
-  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost|cpall|dpo" >&2; exit 2 ;; esac
+case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost|cpall|dpo|next) ;; *)
+  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost|cpall|dpo|next" >&2; exit 2 ;; esac
 if [ "$stage" = pack ]; then  # on this machine, not the GPU one
   tmp=$(mktemp -d); tar xJf .fa4big/libs_cu13.tar.xz -C "$tmp"
   for w in .fa4/*.whl; do python3 -m zipfile -e "$w" "$tmp"; done
@@ -141,6 +146,19 @@ case "$stage" in
     timeout ${DPO_TIMEOUT:-200} python3 launch/bench/trainer_attention.py --objective dpo --attention flashmask \
       --dpo-sample ${DPO_SAMPLE:-1024 1024} --lengths ${NS:-16384 65536} --out "$OUT" --name trainer_dpo_h200_1to1 2>&1 \
       | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/trainer_dpo.log" | grep -v "^step\|^ " || true ;;
+  next)
+    fa4
+    timeout ${WIN_TIMEOUT:-90} python3 launch/bench/window_compiles.py --n 32768 --windows 16 --out "$OUT" 2>&1 \
+      | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/window_compiles.log" | tail -3 || true
+    timeout ${KERNEL_TIMEOUT:-240} python3 launch/bench/kernel.py --ns 16384 65536 --masks window_sinks global_window \
+      --impls cute flex_flash triton flex --quick --extra-dims-at 0 --out "$OUT" --tag kernel_h200_issue21 2>&1 \
+      | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/kernel_issue21.log" | tail -14 || true
+    for impl in cute triton; do
+      timeout ${CP_TIMEOUT:-120} python3 -m torch.distributed.run --nproc_per_node 4 launch/bench/verify_multi_gpu.py --shared-gpu \
+        --ns 131072 --heads 8 --kv-heads 2 --impls $impl --mask-on host --out "$OUT/${impl}_128k" 2>&1 \
+        | grep -E "^(PASS|FAIL)|cases passed" | tee "$OUT/verify_cp_128k_$impl.log" | grep -v "^PASS" | tail -5 || true
+      echo "$impl 128k: PASS=$(grep -c '^PASS' "$OUT/verify_cp_128k_$impl.log") FAIL=$(grep -c '^FAIL' "$OUT/verify_cp_128k_$impl.log")"
+    done ;;
   tune)
     python3 launch/bench/tune_triton.py --d 64 128 256 --n 16384 --out "$OUT" --tag tune_triton_all 2>&1 | tee "$OUT/tune.log" ;;
 esac

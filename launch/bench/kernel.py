@@ -5,8 +5,9 @@
 
 Masks (B=1, H=16, D=128 bf16 unless told): causal, packed causal documents (lengths uniform in
 [512, 3584], mean 2048, the anchors' generator), DPO (prompt N/2, chosen N/4, rejected N/4),
-sliding window 1024 + 4 sinks, prefix-LM (N/4), and a two-interval mask (packed docs whose last 256
-rows also see every earlier token). Effective TFLOP/s count only visible pairs:
+sliding window 1024 + 4 sinks, prefix-LM (N/4), a two-interval mask (packed docs whose last 256
+rows also see every earlier token), and issue 21's two: ``window_sinks`` (window 2048 + 8 sinks) and
+``global_window`` (8 global rows that see every key, with that window: two intervals per column). Effective TFLOP/s count only visible pairs:
 ``4 * B * H * D * pairs / t`` forward, 3.5x that for forward+backward. Peers: FlexAttention compiled
 (block mask built with ``_compile=True``), FlexAttention's FLASH backend and FlashAttention-4 when
 ``flash_attn.cute`` imports (see ../shared/bench/fa4_wheels.sh), SDPA flash (causal only) and SDPA with
@@ -36,7 +37,7 @@ from fm_parallel.masks.flashmask import FlashMask  # noqa: E402
 from fm_parallel.kernels.triton_flashmask import config_for  # noqa: E402
 from fm_parallel.kernels.plan import build_plans, build_plans_consecutive  # noqa: E402
 
-MASKS = ("causal", "docs", "dpo", "sliding", "prefix", "multi")
+MASKS = ("causal", "docs", "dpo", "sliding", "prefix", "multi", "window_sinks", "global_window")
 
 
 def doc_lengths(n: int, mean: int = 2048, seed: int = 1) -> list[int]:
@@ -71,6 +72,12 @@ def build(name: str, n: int):
         return masks.sliding_window(n, 1024, sinks=4), lambda b, h, q, k: (q >= k) & ((q - k < 1024) | (k < 4))
     if name == "prefix":
         return masks.prefix_lm(n, n // 4), lambda b, h, q, k: (q >= k) | (k < n // 4)
+    if name == "window_sinks":  # issue 21's sliding window: 2048 + 8 sinks
+        return masks.sliding_window(n, 2048, sinks=8), lambda b, h, q, k: (q >= k) & ((q - k < 2048) | (k < 8))
+    if name == "global_window":  # issue 21's 2-interval mask: 8 global rows see every key, + window 2048 + 8 sinks
+        glob = masks.FlashMask(torch.zeros(n, dtype=torch.int32), torch.full((n,), 7, dtype=torch.int32))
+        return (masks.union(masks.sliding_window(n, 2048, sinks=8), glob),
+                lambda b, h, q, k: ((q >= k) & ((q - k < 2048) | (k < 8))) | (q < 8))
     raise ValueError(f"mask: expected one of {MASKS}, got {name!r}")
 
 
