@@ -102,8 +102,6 @@ class PreparedMask:
             # memory: CUDA stages the bytes before returning and does not wait for the device (pinning
             # each small tensor costs a page-locked allocation per source and step).
             cols = local_rows(self.host_mask.select_keys(self.plan.positions[source]), self.plan.positions[self.rank])
-            if source == self.rank:
-                cols.causal_documents()
             window = _row_window(cols)
             if self.device.type == "cuda":
                 documents = cols.causal_documents()
