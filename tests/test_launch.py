@@ -283,3 +283,18 @@ def test_kernel_benchmark_masks_equal_the_flex_predicates_they_are_compared_with
     fm, predicate = build(name, n)
     q, k = torch.arange(n).view(n, 1), torch.arange(n).view(1, n)
     assert torch.equal(fm.to_dense()[0, 0], predicate(0, 0, q, k))
+
+
+def test_window_compiles_diagnostic_runs_on_the_cpu(tmp_path):
+    """The H200 diagnostic's mechanics (windows of many lengths and offsets through a backend, per call
+    timing and compile counting) with the PyTorch backend; on the GPU it counts FA4's compiles."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "bench" / "window_compiles.py"), "--n", "1024", "--heads", "2",
+         "--kv-heads", "1", "--head-dim", "16", "--impl", "torch", "--device", "cpu", "--windows", "3", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((tmp_path / "window_compiles_cpu.json").read_text())
+    assert result["summary"]["calls"] == len(result["records"]) >= 10
+    assert result["summary"]["compiles_total"] == 0 and result["summary"]["calls_that_compiled"] == []
+    assert {r["rows"] for r in result["records"]} >= {1, 256}  # a one-row window and a whole share
