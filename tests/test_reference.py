@@ -21,6 +21,10 @@ def mask_families(n):
         "prefix_lm_docs": masks.prefix_lm(prefix_len=[10, 3], lengths=[40, 37]),
         "sliding_sinks": masks.sliding_window(n, 9, sinks=3),
         "union_multi": masks.union(masks.sliding_window(n, 5), masks.document([25, 25, 27], causal=False)),
+        # Global rows 0..2 (see every key) + a window with sinks: tiles full through different interval
+        # slots in different columns (the tile rule's cover slot makes them full).
+        "global_window": masks.union(masks.sliding_window(n, 61, sinks=3),
+                                     masks.FlashMask(torch.zeros(n, dtype=torch.int32), torch.full((n,), 2, dtype=torch.int32))),
     }
 
 
