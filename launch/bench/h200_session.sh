@@ -31,6 +31,8 @@
 #                                              # (window_sinks, global_window: cute / Flex-FLASH / triton / Flex at
 #                                              # 16k, 64k, cover slot included), then CP with row windows at 128k
 #                                              # (cute, then triton) from host masks
+#   bash launch/bench/h200_session.sh hostprof # carry [".fa4one", ".fa4extra"]: where a CP layer's host time goes at
+#                                              # P = 8 (cProfile of rank 0, docs and sliding + sinks, 128k, zigzag)
 #   NS="16384 65536" bash launch/bench/h200_session.sh costs   # carry [".fa4one"]: partial vs full tile cost
 #                                                   # (cute_tile_costs.py), then cute / FA4 / Flex-FLASH at NS
 #
@@ -46,8 +48,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 stage=${1:-}
 shift || true
-case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost|cpall|dpo|next) ;; *)
-  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost|cpall|dpo|next" >&2; exit 2 ;; esac
+case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost|cpall|dpo|next|hostprof) ;; *)
+  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost|cpall|dpo|next|hostprof" >&2; exit 2 ;; esac
 if [ "$stage" = pack ]; then  # on this machine, not the GPU one
   tmp=$(mktemp -d); tar xJf .fa4big/libs_cu13.tar.xz -C "$tmp"
   for w in .fa4/*.whl; do python3 -m zipfile -e "$w" "$tmp"; done
@@ -159,6 +161,11 @@ case "$stage" in
         | grep -E "^(PASS|FAIL)|cases passed" | tee "$OUT/verify_cp_128k_$impl.log" | grep -v "^PASS" | tail -5 || true
       echo "$impl 128k: PASS=$(grep -c '^PASS' "$OUT/verify_cp_128k_$impl.log") FAIL=$(grep -c '^FAIL' "$OUT/verify_cp_128k_$impl.log")"
     done ;;
+  hostprof)
+    fa4
+    timeout ${COST_TIMEOUT:-300} python3 launch/bench/cp_layer_cost.py --out "$OUT/hostprof" --ns 131072 --ps 8 \
+      --masks docs sliding_sinks --balances zigzag --layers 3 --host-ranks 1 --cprofile 2>&1 \
+      | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/hostprof.log" | tail -60 || true ;;
   tune)
     python3 launch/bench/tune_triton.py --d 64 128 256 --n 16384 --out "$OUT" --tag tune_triton_all 2>&1 | tee "$OUT/tune.log" ;;
 esac
