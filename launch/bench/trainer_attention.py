@@ -179,6 +179,8 @@ def main() -> None:
     parser.add_argument("--name", default="trainer_h200")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
+    if args.dpo_sample and args.objective != "dpo":
+        parser.error("--dpo-sample: expected with --objective dpo (it sizes DPO samples), got --objective sft")
     if args.timed_steps < 1:
         parser.error(f"--timed-steps: expected at least 1 (8 for a reported number), got {args.timed_steps}")
     rows = []
