@@ -21,7 +21,8 @@ def random_mask(seed: int, n: int = N):
     """Valid random bounds, ``[B = 1, Hm = 1]``. Even seeds: up to 3 sorted disjoint intervals per
     column anywhere (long intervals: windows near a rank's whole share, spanning holes); odd seeds:
     short intervals close to each column's own row (windows of a few rows, anywhere in a share).
-    Either way a third of the columns are hidden (keys no row sees) and a stripe of rows sees no key."""
+    Either way a third of the columns are hidden (keys no row sees) and a stripe of rows sees no key
+    (cutting an interval in two at most: 4 intervals, what a FlashMask holds)."""
     from fm_parallel import masks
 
     g = torch.Generator().manual_seed(seed)
@@ -43,7 +44,7 @@ def random_mask(seed: int, n: int = N):
 
 def cases(rank, world, mode, impl="torch", seeds=tuple(SEEDS), n=N):
     from fm_parallel import flashmask_attention
-    from fm_parallel.distributed import RingStats, hybrid_attention, ring_attention, shard
+    from fm_parallel.distributed import RingStats, hybrid_attention, prepare, ring_attention, shard
 
     mesh = None
     if mode == "hybrid":
@@ -51,8 +52,6 @@ def cases(rank, world, mode, impl="torch", seeds=tuple(SEEDS), n=N):
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
     results = {}
-    from fm_parallel.distributed.prepared import prepare
-
     dtype = torch.float64 if impl == "torch" else torch.float32  # the Triton kernels take no float64
     for seed in seeds:
         mask, dense = random_mask(seed, n)
