@@ -159,8 +159,9 @@ def profile_ms(fn, calls: int) -> dict:
     return {"total": total / calls, "copy": copy / calls}
 
 
-def host_ms(fn, calls: int, sleep_ms: float) -> tuple[float, bool]:
-    """Host time per call while the GPU is busy for ``sleep_ms`` first; True if a call waited for it."""
+def host_ms(fn, calls: int, sleep_ms: float) -> tuple[float, bool, dict]:
+    """Median host ms per call while the GPU is busy for ``sleep_ms`` first, True if a call waited for
+    it, and min / median / max of the calls."""
     torch.cuda.synchronize()
     cycles = int(sleep_ms * 1.98e6)  # the H200's SM clock is about 1.98 GHz
     times = []
@@ -170,8 +171,9 @@ def host_ms(fn, calls: int, sleep_ms: float) -> tuple[float, bool]:
         fn()
         times.append(1e3 * (time.perf_counter() - t0))
         torch.cuda.synchronize()
-    median = sorted(times)[len(times) // 2]
-    return median, median >= 0.8 * sleep_ms
+    times.sort()
+    median = times[len(times) // 2]
+    return median, median >= 0.8 * sleep_ms, {"min": times[0], "median": median, "max": times[-1], "repeats": len(times)}
 
 
 def single_gpu_ms(mask, q, k, v, dout, impl, reps: int) -> float:
@@ -300,7 +302,7 @@ def main() -> None:
                         entry = {"rank": r, "step_ms": per_step,
                                  "device_ms": profile_ms(layer, args.layers)}
                         if r < args.host_ranks:
-                            entry["host_ms"], entry["host_syncs"] = host_ms(layer, args.layers,
+                            entry["host_ms"], entry["host_syncs"], entry["host_ms_spread"] = host_ms(layer, args.layers,
                                                                             sleep_ms=max(50.0, 4 * entry["device_ms"]["total"]))
                             if args.cprofile:
                                 entry["host_top"] = top_host(layer, args.layers, lines=22, sort="tottime")

@@ -31,6 +31,7 @@ from launch.bench.kernel import MASKS, bench, build, doc_lengths  # noqa: E402
 
 
 def host_ms(fn, calls: int) -> float:
+    """Host ms per call: ``calls`` calls launched without waiting, timed together (one batch)."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -38,6 +39,12 @@ def host_ms(fn, calls: int) -> float:
     host = time.perf_counter() - t0
     torch.cuda.synchronize()
     return 1e3 * host / calls
+
+
+def host_spread(fn, calls: int, repeats: int = 5) -> dict:
+    """:func:`host_ms` over ``repeats`` batches: min / median / max of the per-call means."""
+    times = sorted(host_ms(fn, calls) for _ in range(repeats))
+    return {"min": times[0], "median": times[len(times) // 2], "max": times[-1], "repeats": repeats}
 
 
 def gpu_ms(fn, calls: int) -> float:
@@ -140,7 +147,9 @@ def main() -> None:
                 fwd_bwd()  # compile, cache the lists
             row = {"mask": name, "n": n, "impl": impl}
             for label, fn in (("fwd", fwd), ("fwdbwd", fwd_bwd)):
-                row[f"{label}_host_ms"] = host_ms(fn, args.calls)
+                host = host_spread(fn, args.calls)
+                row[f"{label}_host_ms"] = host["median"]
+                row[f"{label}_host_spread_ms"] = host
                 row[f"{label}_gpu_ms"] = gpu_ms(fn, 10)
                 spread = bench(fn, False)  # min / median / max of the repeats
                 row[f"{label}_back_to_back_ms"] = spread["median"]
