@@ -27,6 +27,8 @@ call wants, but a collective and the plan builds per call).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.distributed as dist
 
@@ -57,8 +59,13 @@ class PreparedMask:
         if not isinstance(plan, ShardPlan):
             raise ValueError(f"plan: expected a ShardPlan, got {type(plan).__name__}")
         _check_sizes(mask, plan)
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < plan.world_size:
+        try:  # ints of any kind (numpy's too), not bools or floats
+            index = None if isinstance(rank, bool) else operator.index(rank)
+        except TypeError:
+            index = None
+        if index is None or not 0 <= index < plan.world_size:
             raise ValueError(f"rank: expected an int in [0, {plan.world_size}) (the plan's ranks), got {rank!r}")
+        rank = index
         self.mask, self.plan, self.rank, self.device = mask, plan, rank, device
         # The mask where the loader built it (the CPU), if it was there: the diagonal chunk learns its
         # document structure from it without a device sync.

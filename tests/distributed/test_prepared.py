@@ -247,9 +247,10 @@ def test_prepared_mask_names_a_bad_rank_mask_or_plan_without_a_process_group():
     mask = masks.causal(64)
     plan = shard(mask, 2, "contiguous")
     cpu = torch.device("cpu")
-    for rank in (-1, 2, 1.0, True):
+    for rank in (-1, 2, 1.0, True, "1"):
         with pytest.raises(ValueError, match=r"rank: expected an int in \[0, 2\)"):
             PreparedMask(mask, plan, rank, cpu)
+    assert PreparedMask(mask, plan, torch.tensor(1), cpu).rank == 1  # any int type (a 0-d tensor, numpy's)
     with pytest.raises(ValueError, match="mask: expected a FlashMask with 64 key columns"):
         PreparedMask(masks.causal(32), plan, 0, cpu)
     with pytest.raises(ValueError, match="plan: expected a ShardPlan"):
