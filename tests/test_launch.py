@@ -159,6 +159,7 @@ def test_verify_multi_gpu_script_passes_on_cpu_ranks(tmp_path, world):
     modes = {c["mode"] for c in data["cases"]}
     assert modes == ({"ring", "ulysses", "hybrid"} if world == 4 else {"ring", "ulysses"})
     assert all(c["pass"] for c in data["cases"]) and len(data["cases"]) == 2 * 2 * len(modes)
+    assert data["complete"] is True  # written after every case with False, and True at the end
     ring = [r for c in data["cases"] if c["mode"] == "ring" for r in c["ranks"]]
     assert all(r["skipped"] == r["expected_skipped"] for r in ring) and any(r["skipped"] for r in ring)
 

@@ -156,6 +156,18 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     results, failed = [], 0
     families: dict = {}
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    where = f"{world} ranks sharing one {name} (gloo, host-staged transfers)" if args.shared_gpu else f"{world} x {name}"
+
+    def write(complete: bool) -> None:
+        """The JSON of the cases so far (rank 0); ``complete`` false until the last case is done."""
+        args.out.mkdir(parents=True, exist_ok=True)
+        cmd = f"torchrun --nproc_per_node {world} launch/bench/verify_multi_gpu.py " + " ".join(sys.argv[1:])
+        suffix = ("_virtual_" + "_".join(args.impls)) if args.shared_gpu else ""
+        (args.out / f"verify_multi_gpu_{device.type}_x{world}{suffix}.json").write_text(
+            json.dumps({"command": cmd, "device": name, "world": world, "shared_gpu": args.shared_gpu, "where": where,
+                        "complete": complete, "cases": results}, indent=1))
+
     for impl, n, mask_name in itertools.product(args.impls, args.ns, args.masks):
         resolved = backends.resolve(impl, device, dtype, args.head_dim)
         if n not in families:
@@ -196,6 +208,7 @@ def main() -> None:
                 failed += not ok
                 results.append(case)
                 if rank == 0:
+                    write(complete=False)  # after every case: a run stopped by a time limit keeps what it did
                     worst = max((max(r["errors"].values()) for r in gathered if "errors" in r), default=float("nan"))
                     skip = sum(r.get("skipped", 0) for r in gathered)
                     note = next((r["exception"] for r in gathered if "exception" in r), "")
@@ -203,14 +216,7 @@ def main() -> None:
                           f"worst_rel_err={worst:.2e} (tol {tol:.0e}) skipped={skip} {note}", flush=True)
         del q, k, v, dout, single, ref
     if rank == 0:
-        args.out.mkdir(parents=True, exist_ok=True)
-        cmd = f"torchrun --nproc_per_node {world} launch/bench/verify_multi_gpu.py " + " ".join(sys.argv[1:])
-        name = torch.cuda.get_device_name(device) if cuda else "cpu"
-        where = f"{world} ranks sharing one {name} (gloo, host-staged transfers)" if args.shared_gpu else f"{world} x {name}"
-        suffix = ("_virtual_" + "_".join(args.impls)) if args.shared_gpu else ""
-        (args.out / f"verify_multi_gpu_{device.type}_x{world}{suffix}.json").write_text(
-            json.dumps({"command": cmd, "device": name, "world": world, "shared_gpu": args.shared_gpu, "where": where,
-                        "cases": results}, indent=1))
+        write(complete=True)
         print(f"{len(results) - failed} of {len(results)} cases passed on {where}")
     dist.destroy_process_group()
     sys.exit(1 if failed else 0)
