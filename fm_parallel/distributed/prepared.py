@@ -54,11 +54,7 @@ class PreparedMask:
 
     def __init__(self, mask: FlashMask, plan: ShardPlan, rank: int, device: torch.device,
                  host_mask: FlashMask | None = None):
-        if not isinstance(mask, FlashMask):
-            raise ValueError(f"mask: expected a FlashMask, got {type(mask).__name__}")
-        if not isinstance(plan, ShardPlan):
-            raise ValueError(f"plan: expected a ShardPlan, got {type(plan).__name__}")
-        _check_sizes(mask, plan)
+        _check_mask_and_plan(mask, plan)
         try:  # ints of any kind (numpy's too), not bools or floats
             index = None if isinstance(rank, bool) else operator.index(rank)
         except TypeError:
@@ -198,6 +194,14 @@ def prepare(mask: FlashMask, plan: ShardPlan, group=None, *, mesh=None, device=N
     return _prepare(mask, plan, group, mesh=mesh, device=device, check=True)
 
 
+def _check_mask_and_plan(mask, plan) -> None:
+    """A FlashMask and a ShardPlan of the same N, square (queries and keys follow the one plan)."""
+    for name, value, kind in (("mask", mask, FlashMask), ("plan", plan, ShardPlan)):
+        if not isinstance(value, kind):
+            raise ValueError(f"{name}: expected a {kind.__name__}, got {type(value).__name__}")
+    _check_sizes(mask, plan)
+
+
 def _check_sizes(mask: FlashMask, plan: ShardPlan) -> None:
     if mask.num_keys != plan.num_tokens:
         raise ValueError(f"mask: expected a FlashMask with {plan.num_tokens} key columns (the plan's N), got {mask.num_keys}")
@@ -207,10 +211,7 @@ def _check_sizes(mask: FlashMask, plan: ShardPlan) -> None:
 
 def _prepare(mask, plan, group=None, *, mesh=None, device=None, check: bool) -> PreparedMask:
     if not dist.is_initialized():
-        for name, value, kind in (("mask", mask, FlashMask), ("plan", plan, ShardPlan)):
-            if not isinstance(value, kind):
-                raise ValueError(f"{name}: expected a {kind.__name__}, got {type(value).__name__}")
-        _check_sizes(mask, plan)
+        _check_mask_and_plan(mask, plan)
         raise ValueError("group: expected an initialised torch.distributed process group, got none")
     if mesh is not None:
         names = getattr(mesh, "mesh_dim_names", None)

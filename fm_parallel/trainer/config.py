@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fm_parallel import backends
+from fm_parallel.trainer.data import DPO_LAYOUTS
 
 try:
     import tomllib
@@ -74,7 +75,7 @@ class DataConfig:
     seq_len: int = _key(2048, "tokens per packed row", low=2, high=2**31 - 1)
     dpo_layout: str = _key("shared", "dpo rows: shared (one prompt, the dpo mask) | separate (prompt+chosen and "
                            "prompt+rejected as two causal documents, TRL's layout, the prompt computed twice)",
-                           choices=("shared", "separate"))
+                           choices=DPO_LAYOUTS)
 
 
 @dataclass

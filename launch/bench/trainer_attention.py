@@ -163,6 +163,8 @@ def write(rows: list[dict], args) -> None:
 
 
 def main() -> None:
+    from fm_parallel.trainer.data import DPO_LAYOUTS
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="1b", choices=list(SHAPES))
     parser.add_argument("--lengths", nargs="+", type=int, default=[32768, 65536, 131072])
@@ -172,7 +174,7 @@ def main() -> None:
     parser.add_argument("--loss-chunk", type=int, default=8192)
     parser.add_argument("--tile-chunk", type=int, default=16384)
     parser.add_argument("--objective", default="sft", choices=["sft", "dpo"])
-    parser.add_argument("--dpo-layouts", nargs="+", default=["shared", "separate"], choices=["shared", "separate"])
+    parser.add_argument("--dpo-layouts", nargs="+", default=list(DPO_LAYOUTS), choices=DPO_LAYOUTS)
     parser.add_argument("--dpo-sample", nargs=2, type=int, metavar=("PROMPT", "RESPONSE"),
                         help="DPO samples of exactly these prompt / response token counts (default: the built-in "
                              "samples, prompt 64, responses 96 at long rows)")
