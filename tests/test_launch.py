@@ -299,3 +299,12 @@ def test_window_compiles_diagnostic_runs_on_the_cpu(tmp_path):
     assert result["summary"]["calls"] == len(result["records"]) >= 10
     assert result["summary"]["compiles_total"] == 0 and result["summary"]["calls_that_compiled"] == []
     assert {r["rows"] for r in result["records"]} >= {1, 256}  # a one-row window and a whole share
+
+
+def test_every_benchmark_summarises_repeats_one_way():
+    """min / median / max from one helper (the median of an even count is the mean of the middle two)."""
+    from launch.bench.repeats import spread
+
+    assert spread([3.0, 1.0, 2.0, 10.0]) == {"min": 1.0, "median": 2.5, "max": 10.0, "repeats": 4}
+    with pytest.raises(ValueError, match="times: expected at least one measurement"):
+        spread([])

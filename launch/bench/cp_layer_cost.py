@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from launch.bench.host_overhead import top_host  # noqa: E402
 from launch.bench.ranks import DTYPES  # noqa: E402
+from launch.bench.repeats import spread  # noqa: E402
 
 
 class Loopback:
@@ -171,9 +172,8 @@ def host_ms(fn, calls: int, sleep_ms: float) -> tuple[float, bool, dict]:
         fn()
         times.append(1e3 * (time.perf_counter() - t0))
         torch.cuda.synchronize()
-    times.sort()
-    median = times[len(times) // 2]
-    return median, median >= 0.8 * sleep_ms, {"min": times[0], "median": median, "max": times[-1], "repeats": len(times)}
+    stats = spread(times)
+    return stats["median"], stats["median"] >= 0.8 * sleep_ms, stats
 
 
 def single_gpu_ms(mask, q, k, v, dout, impl, reps: int) -> float:
@@ -193,7 +193,7 @@ def single_gpu_ms(mask, q, k, v, dout, impl, reps: int) -> float:
         step()
         torch.cuda.synchronize()
         times.append(1e3 * (time.perf_counter() - t0))
-    return sorted(times)[len(times) // 2]
+    return spread(times)["median"]
 
 
 def predict(steps: list[dict], bytes_in: list[list[int]], serial_ms: list[float], link_gbs: float) -> float:

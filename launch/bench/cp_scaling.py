@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "launch" / "bench"))
 
+from launch.bench.repeats import spread  # noqa: E402
 from ranks import DTYPES, init_ranks  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def timed(fn, repeat: int, device, barrier: bool = True) -> dict:
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return {"min": min(times), "median": statistics.median(times), "max": max(times)}
+    return spread(times)
 
 
 def ulysses_bytes(n: int, hq: int, hkv: int, d: int, itemsize: int, world: int, with_bwd: bool) -> int:

@@ -19,13 +19,16 @@ import argparse
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from launch.bench.repeats import spread  # noqa: E402
+
 OUT = ROOT / "docs" / "benchmarks"
 IMPLS = ("torch", "torch-ckpt", "sdpa-dense")
 MASKS = ("docs512", "dpo")
@@ -134,7 +137,8 @@ def worker(kind: str, impl: str, mask_name: str, n: int, mode: str, reps: int) -
         t0 = time.perf_counter()
         run(m)
         times.append(time.perf_counter() - t0)
-    return {"time_ms": 1e3 * statistics.median(times), "time_ms_min": 1e3 * min(times), "time_ms_max": 1e3 * max(times),
+    ms = spread(1e3 * t for t in times)
+    return {"time_ms": ms["median"], "time_ms_min": ms["min"], "time_ms_max": ms["max"],
             "threads": torch.get_num_threads()}
 
 

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from launch.bench.kernel import MASKS, bench, build, doc_lengths  # noqa: E402
+from launch.bench.repeats import spread  # noqa: E402
 
 
 def host_ms(fn, calls: int) -> float:
@@ -43,8 +44,7 @@ def host_ms(fn, calls: int) -> float:
 
 def host_spread(fn, calls: int, repeats: int = 5) -> dict:
     """:func:`host_ms` over ``repeats`` batches: min / median / max of the per-call means."""
-    times = sorted(host_ms(fn, calls) for _ in range(repeats))
-    return {"min": times[0], "median": times[len(times) // 2], "max": times[-1], "repeats": repeats}
+    return spread(host_ms(fn, calls) for _ in range(repeats))
 
 
 def gpu_ms(fn, calls: int) -> float:

@@ -36,6 +36,7 @@ from fm_parallel import flashmask_attention, masks  # noqa: E402
 from fm_parallel.masks.flashmask import FlashMask  # noqa: E402
 from fm_parallel.kernels.triton_flashmask import config_for  # noqa: E402
 from fm_parallel.kernels.plan import build_plans, build_plans_consecutive  # noqa: E402
+from launch.bench.repeats import spread  # noqa: E402
 
 MASKS = ("causal", "docs", "dpo", "sliding", "prefix", "multi", "window_sinks", "global_window")
 
@@ -84,8 +85,7 @@ def build(name: str, n: int):
 def bench(fn, quick: bool) -> dict:
     from triton.testing import do_bench
 
-    times = sorted(do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100, return_mode="all"))
-    return {"min": times[0], "median": times[len(times) // 2], "max": times[-1], "repeats": len(times)}
+    return spread(do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100, return_mode="all"))
 
 
 def measure(label, fwd, q, k, v, do, pairs, heads, d, quick, with_bwd=True):

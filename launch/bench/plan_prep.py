@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from launch.bench.repeats import spread  # noqa: E402
 
 
 def timed(fn, device, repeat: int) -> dict:
@@ -41,7 +42,7 @@ def timed(fn, device, repeat: int) -> dict:
         fn()
         sync()
         times.append(1e3 * (time.perf_counter() - t0))
-    return {"min": min(times), "median": statistics.median(times), "max": max(times)}
+    return spread(times)
 
 
 def _put(row: dict, key: str, spread: dict) -> None:

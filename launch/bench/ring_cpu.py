@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from launch.bench.repeats import spread  # noqa: E402
 
 from fm_parallel import masks  # noqa: E402
 from fm_parallel.distributed import BALANCE_MODES, pair_counts, row_work, shard  # noqa: E402
@@ -93,8 +94,8 @@ def gloo_case(rank, world, n, reps, out_dir):
                 ring_attention(ql, kl, vl, mask, plan, stats=stats).sum().backward()
                 dist.barrier()
                 times.append(time.perf_counter() - t0)
-            results.append(dict(mask=name, balance=balance, rank=rank, ms=1e3 * statistics.median(times),
-                                ms_min=1e3 * min(times), ms_max=1e3 * max(times),
+            ms = spread(1e3 * t for t in times)
+            results.append(dict(mask=name, balance=balance, rank=rank, ms=ms["median"], ms_min=ms["min"], ms_max=ms["max"],
                                 bytes_sent=stats.bytes_sent, posted=stats.transfers_posted,
                                 skipped=stats.transfers_skipped, pairs=stats.visible_pairs))
         if rank == 0:  # the single-process baseline, one thread like each rank
@@ -104,8 +105,8 @@ def gloo_case(rank, world, n, reps, out_dir):
                 t0 = time.perf_counter()
                 flashmask_attention(qs, ks, vs, mask=mask).sum().backward()
                 times.append(time.perf_counter() - t0)
-            results.append(dict(mask=name, balance="single process", rank=0, ms=1e3 * statistics.median(times),
-                                ms_min=1e3 * min(times), ms_max=1e3 * max(times)))
+            ms = spread(1e3 * t for t in times)
+            results.append(dict(mask=name, balance="single process", rank=0, ms=ms["median"], ms_min=ms["min"], ms_max=ms["max"]))
     with open(os.path.join(out_dir, f"gloo_rank{rank}.json"), "w") as f:
         json.dump(results, f)
 
