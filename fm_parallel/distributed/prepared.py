@@ -7,8 +7,11 @@ data loader), and every layer reuses it:
 * the agreement: the mask's and the plan's digests (BLAKE2b of the bounds and positions) and the
   call's shapes / dtype / device are compared across ranks once per step and shape signature (one
   small all-gather), not per layer;
-* the ring's exact pair table and what each rank needs from each other rank;
-* per source rank, the column mask of that rank's keys *in this rank's local rows*: the rank's
+* the ring's exact pair table and what each rank needs from each other rank: whether, and which
+  window of the other rank's keys (the first to the last key any of its queries sees). Only that
+  window travels, is computed on and has gradients returned: a neighbour's chunk that one packed
+  document crosses into costs that document's keys, not ``N / P`` of them;
+* per source rank, the column mask of that rank's key window *in this rank's local rows*: the rank's
   queries are ``plan.positions[rank]`` (sorted), so an interval of global rows ``[s, e]`` is the
   contiguous range of local rows between two binary searches. The kernels then always see
   consecutive rows from 0 (whatever the balance mode: the cheaper consecutive-row launch plans, no
@@ -33,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from fm_parallel.distributed.comm import RingComm, check_agreement, check_cp_inputs
-from fm_parallel.distributed.sharding import ShardPlan, pair_counts
+from fm_parallel.distributed.sharding import ShardPlan, pair_table_and_key_windows
 from fm_parallel.masks.flashmask import FlashMask
 
 __all__ = ["PreparedMask", "prepare", "for_call", "local_rows"]
@@ -47,6 +50,8 @@ class PreparedMask:
         rank: this rank's index in ``plan.positions``. world: ``plan.world_size``.
         table: ``[P, P]`` int64 visible pairs (rank r's queries, rank j's keys), on the CPU.
         needed: ``needed[r][j]``, rank r's queries see rank j's keys.
+        spans: ``spans[r][j] = (c0, c1)``, the local indices of rank j's keys that rank r's queries
+            see lie in ``[c0, c1)`` (``(0, 0)`` where none): :meth:`key_window`, :meth:`sent_window`.
         rows: this rank's global query rows, ``[N / P]`` int32 on the device.
         local_rows: ``arange(N / P)`` int32 on the device, the rows the column masks are written in.
         counters: how often derived data was built (``columns``, ``agreements``), for tests and benchmarks.
@@ -67,8 +72,9 @@ class PreparedMask:
         # document structure from it without a device sync.
         self.host_mask = host_mask if host_mask is not None and host_mask.device.type == "cpu" else None
         self.world = plan.world_size
-        self.table = pair_counts(mask, plan.positions)
+        self.table, spans = pair_table_and_key_windows(mask, plan.positions)
         self.needed = (self.table > 0).tolist()
+        self.spans = [[tuple(w) for w in row] for row in spans.tolist()]
         self.rows = plan.positions[rank].to(device=device, dtype=torch.int32)
         self.local_rows = torch.arange(plan.local_tokens, device=device, dtype=torch.int32)
         self.counters = {"columns": 0, "agreements": 0}
@@ -83,8 +89,18 @@ class PreparedMask:
                 f"mask={self.mask!r})")
 
     # ------------------------------------------------------------------ ring
+    def key_window(self, source: int) -> tuple[int, int]:
+        """``(c0, c1)``: the keys of rank ``source`` (its local indices) that this rank's queries see
+        lie in ``[c0, c1)``; the ring receives, computes on and returns gradients for that slice only."""
+        return self.spans[self.rank][source]
+
+    def sent_window(self, dest: int) -> tuple[int, int]:
+        """``(c0, c1)``: the slice of this rank's keys that rank ``dest`` receives (its :meth:`key_window`)."""
+        return self.spans[dest][self.rank]
+
     def columns(self, source: int) -> FlashMask:
-        """The mask's columns of rank ``source``'s keys in this rank's local rows (``[0, N / P)``), made once."""
+        """The mask's columns of rank ``source``'s key window (:meth:`key_window`) in this rank's local
+        rows (``[0, N / P)``), made once."""
         if source not in self._columns:
             self._make_columns(source)
         return self._columns[source][0]
@@ -99,12 +115,16 @@ class PreparedMask:
         return self._columns[source][1]
 
     def _make_columns(self, source: int) -> None:
+        c0, c1 = self.key_window(source)
+        # A source this rank does not need keeps all its (here empty) columns: asked for anyway, its
+        # window is (0, 0) and its column mask a valid one.
+        keys = self.plan.positions[source][c0:c1] if c1 > c0 else self.plan.positions[source]
         if self.host_mask is not None:
             # On the host, where the loader built the mask: no device synchronisation, and the diagonal
             # chunk learns whether it is packed causal documents. Copied with non_blocking from pageable
             # memory: CUDA stages the bytes before returning and does not wait for the device (pinning
             # each small tensor costs a page-locked allocation per source and step).
-            cols = local_rows(self.host_mask.select_keys(self.plan.positions[source]), self.plan.positions[self.rank])
+            cols = local_rows(self.host_mask.select_keys(keys), self.plan.positions[self.rank])
             window = _row_window(cols)
             if self.device.type == "cuda":
                 documents = cols.causal_documents()
@@ -114,7 +134,7 @@ class PreparedMask:
             else:
                 cols = cols.to(self.device)
         else:  # a mask made on the device: one small synchronisation per source and step, for the window
-            cols = local_rows(self.mask.select_keys(self.plan.positions[source].to(self.device)), self.rows)
+            cols = local_rows(self.mask.select_keys(keys.to(self.device)), self.rows)
             window = _row_window(cols)
         self._columns[source] = (cols, window)
         self.counters["columns"] += 1

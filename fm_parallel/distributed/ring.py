@@ -3,13 +3,14 @@
 Every rank holds the tokens listed by a :class:`ShardPlan` and the full O(N) mask. From the mask
 and the plan all ranks compute the same exact table of visible pairs between rank r's queries and
 rank j's keys (:func:`pair_counts`); in step ``s`` rank r receives the K/V chunk of ``r - s`` only if
-its entry is non-zero, and that rank sends it only then. The local kernel runs per received chunk
-with the queries' global rows and the chunk's mask columns; partial results merge through the
-log-sum-exp. The next step's receive is posted before the current chunk is computed.
+its entry is non-zero, and that rank sends it only then, and only the window of its keys that r's
+queries see (the first to the last such key, :meth:`PreparedMask.key_window`). The local kernel runs
+per received chunk on the rows that see it, with the chunk's mask columns; partial results merge
+through the log-sum-exp. The next step's receive is posted before the current chunk is computed.
 
 Backward (own autograd, like ring-flash-attn): K/V travel again, each rank computes dQ locally and
-the dK/dV of every chunk it used, and sends those back to the chunk's owner, again only where the
-table says the pair exists.
+the dK/dV of every chunk (key window) it used, and sends those back to the chunk's owner, again only
+where the table says the pair exists.
 """
 
 from __future__ import annotations
@@ -63,10 +64,14 @@ class _Ring:
         return sum(row[self.rank] for row in self.needed)
 
     def post_kv(self, step: int, k: torch.Tensor, v: torch.Tensor):
-        """Send my K/V to ``rank + step`` if it needs them; receive ``rank - step``'s if I do."""
+        """Send my K/V to ``rank + step`` if it needs them (the window it sees); receive ``rank - step``'s
+        if I do."""
         dst, src = self.comm.send_to(step), self.comm.recv_from(step)
-        sends = [(k, dst), (v, dst)] if self.needed[dst][self.rank] else []
-        bufs = (torch.empty_like(k), torch.empty_like(v)) if self.needed[self.rank][src] else None
+        sends = []
+        if self.needed[dst][self.rank]:
+            window = self.prepared.sent_window(dst)
+            sends = [(_keys(k, window, contiguous=True), dst), (_keys(v, window, contiguous=True), dst)]
+        bufs = _buffers(k, v, self.prepared.key_window(src)) if self.needed[self.rank][src] else None
         recvs = [(bufs[0], src), (bufs[1], src)] if bufs else []
         self._count(sends, skipped=0 if sends else 1)
         return self.comm.exchange(sends, recvs), bufs
@@ -80,7 +85,8 @@ class _Ring:
         pending = self.post_kv(1, k, v) if self.world > 1 else None
         for step in range(self.world):
             if step == 0:
-                chunk = (k, v) if self.needed[self.rank][self.rank] else None
+                window = self.prepared.key_window(self.rank)
+                chunk = (_keys(k, window), _keys(v, window)) if self.needed[self.rank][self.rank] else None
             else:
                 reqs, chunk = pending
                 pending = self.post_kv(step + 1, k, v) if step + 1 < self.world else None
@@ -95,8 +101,24 @@ class _Ring:
         self.stats.bytes_sent += sum(t.numel() * t.element_size() for t, _ in sends)
 
 
+def _keys(t: torch.Tensor, window: tuple[int, int], contiguous: bool = False) -> torch.Tensor:
+    """``t[:, :, c0:c1]`` for ``window = (c0, c1)``: ``t`` itself when the window is all of it."""
+    c0, c1 = window
+    if (c0, c1) == (0, t.shape[2]):
+        return t
+    part = t[:, :, c0:c1]
+    return part.contiguous() if contiguous else part
+
+
+def _buffers(k: torch.Tensor, v: torch.Tensor, window: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Receive buffers for a key window of ``k`` / ``v``'s kind (another rank's, or gradients of mine)."""
+    n = window[1] - window[0]
+    return (k.new_empty(*k.shape[:2], n, k.shape[3]), v.new_empty(*v.shape[:2], n, v.shape[3]))
+
+
 class _Sum:
-    """A sum of ``expected`` partial tensors, some covering only a window of rows (dim 2).
+    """A sum of ``expected`` partial tensors, some covering only a window of rows (dim 2: query rows
+    of dQ, key rows of dK / dV).
 
     The first full part is kept as it came (no zero-fill, no copy: a rank that sees one chunk pays
     nothing). With two parts the sum is taken in float32 and rounded once, in the parts' dtype; with
@@ -178,20 +200,23 @@ class _RingAttention(torch.autograd.Function):
                 part = (dk_s.contiguous(), dv_s.contiguous())
             if step == 0:
                 if part is not None:
-                    dk.add(part[0])
-                    dv.add(part[1])
+                    mine = slice(*ring.prepared.key_window(me))
+                    dk.add(part[0], mine, k)
+                    dv.add(part[1], mine, v)
                 continue
-            # Return the chunk's gradients to its owner; collect mine from the ranks that used my keys.
+            # Return the chunk's gradients to its owner; collect mine from the ranks that used my keys
+            # (each the window of my keys it saw).
             sends = [(part[0], src), (part[1], src)] if part is not None else []
-            bufs = (torch.empty_like(k), torch.empty_like(v)) if ring.needed[dst][me] else None
+            window = ring.prepared.sent_window(dst)
+            bufs = _buffers(k, v, window) if ring.needed[dst][me] else None
             recvs = [(bufs[0], dst), (bufs[1], dst)] if bufs else []
             ring._count(sends, skipped=0 if sends else 1)
-            grads_in_flight.append((ring.comm.exchange(sends, recvs), bufs, part))
-        for reqs, bufs, _ in grads_in_flight:
+            grads_in_flight.append((ring.comm.exchange(sends, recvs), bufs, slice(*window), part))
+        for reqs, bufs, window, _ in grads_in_flight:
             ring.comm.wait(reqs)
             if bufs is not None:
-                dk.add(bufs[0])
-                dv.add(bufs[1])
+                dk.add(bufs[0], window, k)
+                dv.add(bufs[1], window, v)
         return dq.result(q), dk.result(k), dv.result(v), None
 
 

@@ -103,21 +103,50 @@ def pair_counts(mask: FlashMask, positions: list[torch.Tensor]) -> torch.Tensor:
     those counts are summed per key owner (the plan shards keys as it shards rows). O(P * N * M)
     time, O(N * M) memory, no N x N anything (a P x P loop of binary searches took 22-36 ms at 128k,
     P = 8, on each rank and step; this 7-14 ms)."""
+    return _pairs(mask, positions, windows=False)[0]
+
+
+def pair_table_and_key_windows(mask: FlashMask, positions: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pair_counts` and, for every (query rank r, key rank j), the window of j's keys that r's
+    queries see: ``windows[r, j] = (c0, c1)``, the local key indices (positions in ``positions[j]``,
+    which are sorted) of the first and one past the last key of rank j that any query of rank r sees;
+    ``(0, 0)`` where r sees none of j's keys. ``[P, P, 2]`` int64 on the CPU, the same on every rank
+    (computed from the replicated mask and plan), so a sender and its receiver agree on what moves."""
+    return _pairs(mask, positions, windows=True)
+
+
+def _pairs(mask: FlashMask, positions: list[torch.Tensor], windows: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     p, n = len(positions), mask.num_rows
     device = mask.device
     owner = torch.full((n,), p, dtype=torch.int64, device=device)  # p: a row (key) no rank holds
+    local = torch.zeros(n, dtype=torch.int64, device=device)  # each row's (key's) index on its rank
     for r, rows in enumerate(positions):
-        owner[rows.to(device=device, dtype=torch.int64)] = r
+        rows = rows.to(device=device, dtype=torch.int64)
+        owner[rows] = r
+        local[rows] = torch.arange(rows.numel(), device=device)
     s = mask.fms.to(torch.int64).clamp(0, n)  # [B, Hm, Nk, M]
     e = (mask.fme.to(torch.int64) + 1).clamp(0, n)
-    key_owner = owner[: mask.num_keys].view(1, 1, -1, 1).expand_as(s).reshape(-1)
+    column_owner = owner[: mask.num_keys]
+    key_owner = column_owner.view(1, 1, -1, 1).expand_as(s).reshape(-1)
     table = torch.zeros(p, p + 1, dtype=torch.int64, device=device)
     owned = torch.zeros(n + 1, dtype=torch.int64, device=device)
+    first = torch.full((p, p + 1), n, dtype=torch.int64, device=device)
+    last = torch.full((p, p + 1), -1, dtype=torch.int64, device=device)
+    column_local = local[: mask.num_keys]
     for r in range(p):
         torch.cumsum(owner == r, 0, out=owned[1:])
         inside = (owned[e] - owned[s]).clamp(min=0)  # an empty interval (s > e) counts 0
         table[r].index_add_(0, key_owner, inside.reshape(-1))
-    return table[:, :p].cpu()
+        if windows:
+            seen = (inside > 0).any(-1).flatten(0, 1).any(0)  # [Nk]: some row of r sees the column
+            first[r].scatter_reduce_(0, column_owner[seen], column_local[seen], "amin")
+            last[r].scatter_reduce_(0, column_owner[seen], column_local[seen], "amax")
+    table = table[:, :p].cpu()
+    if not windows:
+        return table, None
+    spans = torch.stack([first[:, :p], last[:, :p] + 1], -1).cpu()
+    spans[table == 0] = 0
+    return table, spans
 
 
 def _greedy(work: torch.Tensor, world_size: int, k: int, target: float, neighbours: bool) -> tuple[list[list[int]], float]:

@@ -11,8 +11,10 @@ received chunk, the lse merge, the backward's dK/dV return) with a one-process s
 transport (:class:`Loopback`: a received chunk is a device-to-device copy of the sender's tensor,
 timed apart as "copy"). Per layer (forward + backward) it measures:
 
-* kernel time per ring step (CUDA events around each launcher call) and in all (the profiler's
-  device time: attention kernels, merges and accumulations, transfer stand-in copies);
+* kernel time per ring step (CUDA events around each launcher call, the layers queued behind a GPU
+  sleep so that the events time the device, not the Python launchers between them: timed with an
+  idle GPU, a 0.05 ms kernel read as its launcher's 0.3-0.5 ms) and in all (the profiler's device
+  time: attention kernels, merges and accumulations, transfer stand-in copies);
 * host time: the Python time of a layer launched while the GPU is kept busy (``torch.cuda._sleep``),
   so nothing waits for the GPU; a layer that synchronises shows up as host time >= the sleep, and is
   reported (``host_syncs``);
@@ -62,8 +64,10 @@ class Loopback:
         return (self.rank - step) % self.world_size
 
     def exchange(self, sends, recvs):
+        # A receive is the peer's key window (or its gradients): as many keys from the peer's tensor
+        # (the values do not matter here, the bytes and shapes do).
         for i, (buf, peer) in enumerate(recvs):
-            buf.copy_(self.chunks[peer][i % 2])
+            buf.copy_(self.chunks[peer][i % 2][:, :, : buf.shape[2]])
         return None
 
     def wait(self, pending) -> None:
@@ -176,24 +180,52 @@ def host_ms(fn, calls: int, sleep_ms: float) -> tuple[float, bool, dict]:
     return stats["median"], stats["median"] >= 0.8 * sleep_ms, stats
 
 
+def keep_gpu_busy(ms: float) -> None:
+    """Queue a GPU sleep of about ``ms`` (the H200's SM clock is about 1.98 GHz): work launched after it
+    queues behind it, so CUDA events around that work time the device and not the host's launches."""
+    torch.cuda._sleep(int(ms * 1.98e6))
+
+
+def queued(fn, calls: int, forget=None) -> bool:
+    """Run ``fn`` ``calls`` times queued behind a GPU sleep longer than their host time (measured on one
+    more call first, after which ``forget()`` drops what it recorded). True if the host stayed ahead of
+    the GPU to the end (the events inside time the device only); False if the GPU caught up (the calls
+    synchronise, or the sleep was short)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one = 1e3 * (time.perf_counter() - t0)
+    if forget is not None:
+        forget()
+    keep_gpu_busy(10.0 + 2.0 * one * calls)
+    for _ in range(calls):
+        fn()
+    ahead = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    return ahead
+
+
 def single_gpu_ms(mask, q, k, v, dout, impl, reps: int) -> float:
+    """Device ms of one forward + backward over the whole sequence (median of ``reps``, CUDA events,
+    queued behind a GPU sleep like the ranks' steps)."""
     from fm_parallel import flashmask_attention
 
     qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+    events = []
 
     def step():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         out = flashmask_attention(qq, kk, vv, mask=mask, impl=impl)
         out.backward(dout)
+        end.record()
+        events.append((start, end))
 
     step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return spread(times)["median"]
+    if not queued(step, reps, forget=events.clear):
+        print("warning: the single-GPU layer caught the GPU up; its time includes host launches")
+    return spread([s.elapsed_time(e) for s, e in events])["median"]
 
 
 def predict(steps: list[dict], bytes_in: list[list[int]], serial_ms: list[float], link_gbs: float) -> float:
@@ -285,9 +317,10 @@ def main() -> None:
                         layer, timer = rank_layer(args, mask, plan, r, q, k, v, dout, impl, False, True, device, mask_cpu)
                         layer()  # warm-up: prepares, builds plans (and compiles)
                         timer.step_ms()
-                        for _ in range(args.layers):
-                            layer()
+                        host_ahead = queued(layer, args.layers, forget=timer.events.clear)
                         steps = timer.step_ms()
+                        if not host_ahead:
+                            print(f"warning: rank {r}'s layers caught the GPU up; its step times include host launches")
                         # Kernel ms per step, averaged over layers: index by source step order.
                         per_step = {}
                         for kind in ("fwd", "bwd"):
@@ -299,13 +332,13 @@ def main() -> None:
                             for s, ms in zip(seen, avg):
                                 full[s] = ms
                             per_step[kind] = full
-                        entry = {"rank": r, "step_ms": per_step,
+                        entry = {"rank": r, "step_ms": per_step, "steps_host_ahead": host_ahead,
                                  "device_ms": profile_ms(layer, args.layers)}
                         if r < args.host_ranks:
                             entry["host_ms"], entry["host_syncs"], entry["host_ms_spread"] = host_ms(layer, args.layers,
                                                                             sleep_ms=max(50.0, 4 * entry["device_ms"]["total"]))
                             if args.cprofile:
-                                entry["host_top"] = top_host(layer, args.layers, lines=22, sort="tottime")
+                                entry["host_top"] = top_host(layer, args.layers, lines=30, sort=("tottime", "cumulative"))
                                 print(entry["host_top"])
                             before, _ = rank_layer(args, mask, plan, r, q, k, v, dout, impl, True, False, device, mask_cpu)
                             before()

@@ -61,8 +61,9 @@ def gpu_ms(fn, calls: int) -> float:
     return total_us / 1e3 / calls
 
 
-def top_host(fn, calls: int, lines: int = 14, sort: str = "cumulative") -> str:
-    """cProfile of ``calls`` calls of ``fn``: the top ``lines`` host functions by ``sort``."""
+def top_host(fn, calls: int, lines: int = 14, sort: str | tuple[str, ...] = "cumulative") -> str:
+    """cProfile of ``calls`` calls of ``fn``: the top ``lines`` host functions by ``sort`` (one key, or
+    several: one table per key from the same profile)."""
     prof = cProfile.Profile()
     torch.cuda.synchronize()
     prof.enable()
@@ -71,7 +72,8 @@ def top_host(fn, calls: int, lines: int = 14, sort: str = "cumulative") -> str:
     prof.disable()
     torch.cuda.synchronize()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats(sort).print_stats(lines)
+    for key in (sort,) if isinstance(sort, str) else sort:
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(lines)
     return out.getvalue()
 
 

@@ -37,6 +37,24 @@ def expected_skips(dense: torch.Tensor, positions, rank: int) -> int:
     return skips
 
 
+def expected_bytes(dense: torch.Tensor, positions, rank: int, per_key: int) -> int:
+    """Bytes a rank sends per call when only key windows travel: K and V forward and again backward to
+    each rank that sees some of its keys, and dK, dV back to each rank whose keys it saw; each the
+    window from the first to the last of the keys seen (``per_key``: bytes of one key's row of K, all
+    heads)."""
+    world = len(positions)
+
+    def window(r, j):  # how many of j's keys (in j's order) lie between the first and last r sees
+        seen = dense[positions[r]][:, positions[j]].any(0).nonzero().flatten()
+        return int(seen.max() - seen.min() + 1) if seen.numel() else 0
+
+    sent = 0
+    for s in range(1, world):
+        dst, src = (rank + s) % world, (rank - s) % world
+        sent += 2 * 2 * per_key * window(dst, rank) + 2 * per_key * window(rank, src)
+    return sent
+
+
 def ring_cases(rank, world):
     from fm_parallel import flashmask_attention
     from fm_parallel.distributed import RingStats, ring_attention, shard
@@ -67,6 +85,7 @@ def ring_cases(rank, world):
                 errors=errs, skipped=stats.transfers_skipped, posted=stats.transfers_posted,
                 expected_skipped=expected_skips(dense, plan.positions, rank),
                 pairs=stats.visible_pairs, expected_pairs=int(dense[plan.positions[rank]].sum()),
+                bytes=stats.bytes_sent, expected_bytes=expected_bytes(dense, plan.positions, rank, HKV * D * 8),
             )
     return results
 
@@ -90,12 +109,23 @@ def test_every_rank_matches_its_slice_of_the_single_process_result(ring_results,
         assert r["skipped"] == r["expected_skipped"], f"rank {rank}: skipped {r['skipped']}, dense mask says {r['expected_skipped']}"
         assert r["posted"] + r["skipped"] == 3 * (world - 1)
         assert r["pairs"] == r["expected_pairs"]
+        assert r["bytes"] == r["expected_bytes"], f"rank {rank}: sent {r['bytes']} bytes, the key windows are {r['expected_bytes']}"
 
 
 def test_documents_skip_transfers_with_contiguous_shards(ring_results):
     world, results = ring_results
     # Contiguous shards of short packed documents: most ranks never see each other's keys.
     assert sum(res["docs/contiguous"]["skipped"] for res in results) > 0
+
+
+def test_only_the_key_windows_travel(ring_results):
+    """Packed documents on contiguous shards: a document crossing a boundary sends its part, not the
+    whole N / P chunk (K/V forward and backward, dK/dV back)."""
+    world, results = ring_results
+    full_chunk = HKV * (N // world) * D * 8
+    for rank, res in enumerate(results):
+        r = res["docs/contiguous"]
+        assert r["bytes"] < r["posted"] * 2 * full_chunk, (rank, r["bytes"], r["posted"])
 
 
 def mismatched_lengths(rank, world):

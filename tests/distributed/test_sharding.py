@@ -5,6 +5,7 @@ import torch
 
 from fm_parallel import masks
 from fm_parallel.distributed import ParallelDims, pair_counts, row_work, shard
+from fm_parallel.distributed.sharding import pair_table_and_key_windows
 from tests.masks.test_flashmask import random_intervals
 
 
@@ -47,9 +48,17 @@ def test_pair_counts_on_random_bounds_match_the_dense_mask(seed):
     g = torch.Generator().manual_seed(seed)
     positions = list(torch.tensor_split(torch.randperm(n, generator=g), [5, 20 + seed, 40]))
     table = pair_counts(mask, positions)
+    same_table, windows = pair_table_and_key_windows(mask, positions)
+    assert torch.equal(same_table, table)
     for r, q in enumerate(positions):
         for j, k in enumerate(positions):
-            assert table[r, j] == int(picture[:, :, q][:, :, :, k].sum()), (r, j)
+            block = picture[:, :, q][:, :, :, k]  # rank j's keys in its local order
+            assert table[r, j] == int(block.sum()), (r, j)
+            # The key window: first to last local key (index in positions[j]) of rank j that some
+            # query of rank r sees.
+            seen = block.flatten(0, 2).any(0).nonzero().flatten()
+            expected = (int(seen.min()), int(seen.max()) + 1) if seen.numel() else (0, 0)
+            assert tuple(windows[r, j].tolist()) == expected, (r, j)
 
 
 def imbalance(mask, plan):
