@@ -26,7 +26,7 @@ import torch
 
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["ShardPlan", "shard", "length_multiple", "pair_counts", "row_work", "BALANCE_MODES"]
+__all__ = ["ShardPlan", "shard", "length_multiple", "pair_counts", "pair_table_and_key_windows", "row_work", "BALANCE_MODES"]
 
 BALANCE_MODES = ("contiguous", "zigzag", "mask")
 
