@@ -227,12 +227,13 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--masks", nargs="+", default=list(MASKS), choices=list(MASKS))
     parser.add_argument("--quick", action="store_true", help="one timed repetition instead of three")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     from tqdm import tqdm
 
-    configs = [(i, m, n, mode) for m in MASKS for n in args.n for mode in MODES for i in IMPLS]
+    configs = [(i, m, n, mode) for m in args.masks for n in args.n for mode in MODES for i in IMPLS]
     rows = []
     for impl, mask_name, n, mode in tqdm(configs, desc="cpu_attention", unit="config"):
         reps = 1 if args.quick or n >= 16384 else 3
