@@ -6,8 +6,9 @@
 Planner report (no ranks needed): for each mask family at N = 131072 (packed documents of mean
 length 2048) and each balance mode, the exact pair table gives the chunk transfers a plain ring
 makes (each rank sends its K/V to every other rank, P (P - 1) transfers) against the ones ours posts
-(only to ranks whose queries see the chunk), hence the bytes moved, and the load imbalance
-(max / mean visible pairs per rank).
+(only to ranks whose queries see the chunk), the bytes moved against the plain ring's when whole
+chunks travel and when only each receiver's key window does (what the ring sends), and the load
+imbalance (max / mean visible pairs per rank).
 
 Gloo run: 4 CPU ranks, N = 4096, H = 4 (H_kv = 2), D = 64, float32, PyTorch local path; time of one
 forward+backward per rank (min / median / max of --reps) against one process doing the whole sequence, and the bytes
@@ -33,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from launch.bench.repeats import spread  # noqa: E402
 
 from fm_parallel import masks  # noqa: E402
-from fm_parallel.distributed import BALANCE_MODES, pair_counts, row_work, shard  # noqa: E402
+from fm_parallel.distributed import BALANCE_MODES, pair_table_and_key_windows, row_work, shard  # noqa: E402
 
 
 def families(n: int) -> dict:
@@ -59,14 +60,17 @@ def planner_rows(n: int, worlds: list[int]) -> list[dict]:
         for world in worlds:
             for balance in BALANCE_MODES:
                 plan = shard(mask, world, balance)
-                table = pair_counts(mask, plan.positions)
+                table, windows = pair_table_and_key_windows(mask, plan.positions)
                 needed = (table > 0)
                 posted = int(needed.sum() - needed.diagonal().sum())
+                keys = (windows[..., 1] - windows[..., 0]).fill_diagonal_(0)  # keys each rank receives per source
+                plain_keys = world * (world - 1) * plan.local_tokens
                 per_rank = torch.stack([work[p].sum() for p in plan.positions]).double()
                 rows.append(dict(
                     mask=name, n=n, world=world, balance=balance,
                     plain_transfers=world * (world - 1), transfers=posted,
                     bytes_ratio=posted / max(world * (world - 1), 1),
+                    window_bytes_ratio=int(keys.sum()) / max(plain_keys, 1),
                     imbalance=(per_rank.max() / per_rank.mean()).item(),
                 ))
     return rows
@@ -148,10 +152,12 @@ def main() -> None:
     planner = planner_rows(args.n, args.worlds)
     lines = ["## Planner (exact pair table, no ranks)", "",
              f"N = {args.n}. Transfers: chunk sends a plain ring makes, P (P - 1), and the ones ours posts.", "",
-             "| mask | P | balance | transfers (ours / plain) | bytes vs plain ring | imbalance (max / mean) |", "|---|---|---|---|---|---|"]
+             "Bytes: what moves against a plain ring's whole chunks, when whole chunks travel to the ranks that need them and when only each receiver's key window does (the ring since 2026-12-03).", "",
+             "| mask | P | balance | transfers (ours / plain) | bytes vs plain ring: chunks | key windows | imbalance (max / mean) |",
+             "|---|---|---|---|---|---|---|"]
     for r in planner:
         lines.append(f"| {r['mask']} | {r['world']} | {r['balance']} | {r['transfers']} / {r['plain_transfers']} | "
-                     f"{r['bytes_ratio']:.2f} | {r['imbalance']:.3f} |")
+                     f"{r['bytes_ratio']:.2f} | {r['window_bytes_ratio']:.3f} | {r['imbalance']:.3f} |")
     gloo = [] if args.skip_run else gloo_rows(args.ranks, args.run_n, args.reps)
     if gloo:
         lines += ["", f"## Gloo run: {args.ranks} CPU ranks, N = {args.run_n}, H = 4 (H_kv = 2), D = 64, float32", "",
