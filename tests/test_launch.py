@@ -162,6 +162,7 @@ def test_verify_multi_gpu_script_passes_on_cpu_ranks(tmp_path, world):
     assert data["complete"] is True  # written after every case with False, and True at the end
     ring = [r for c in data["cases"] if c["mode"] == "ring" for r in c["ranks"]]
     assert all(r["skipped"] == r["expected_skipped"] for r in ring) and any(r["skipped"] for r in ring)
+    assert all(r["bytes_sent"] == r["expected_bytes"] for r in ring)  # the key windows, checked by the script too
 
 
 def test_cp_scaling_script_runs_on_cpu_ranks(tmp_path):

@@ -80,6 +80,19 @@ def expected_skips(table: torch.Tensor, rank: int) -> int:
     return skips
 
 
+def expected_bytes(windows: torch.Tensor, rank: int, per_key: int) -> int:
+    """Bytes this rank's ring sends per call: K and V (forward, and again in the backward) to each rank
+    that sees some of its keys, dK and dV back to each rank whose keys it saw, each the receiver's key
+    window (``pair_table_and_key_windows``; ``per_key``: bytes of one key's row of K over its heads)."""
+    world = windows.shape[0]
+    width = (windows[..., 1] - windows[..., 0]).tolist()
+    sent = 0
+    for s in range(1, world):
+        dst, src = (rank + s) % world, (rank - s) % world
+        sent += 2 * 2 * per_key * width[dst][rank] + 2 * per_key * width[rank][src]
+    return sent
+
+
 def modes(world: int, heads: int) -> list[tuple[str, int]]:
     """(mode, Ulysses degree) pairs this world can run."""
     out = [("ring", 1)]
@@ -149,7 +162,7 @@ def main() -> None:
 
     from fm_parallel import backends, flashmask_attention
     from fm_parallel.distributed import shard
-    from fm_parallel.distributed.sharding import pair_counts
+    from fm_parallel.distributed.sharding import pair_table_and_key_windows
 
     rank, world, device, mesh = init_ranks(args.device, shared_gpu=args.shared_gpu)
     cuda = device.type == "cuda"
@@ -183,14 +196,16 @@ def main() -> None:
         ref = (single.detach(), q.grad, k.grad, v.grad)
         for balance in args.balances:
             plan = shard(mask.to("cpu"), world, balance)
-            table = pair_counts(mask.to("cpu"), plan.positions)
+            table, windows = pair_table_and_key_windows(mask.to("cpu"), plan.positions)
             for mode, uly in modes(world, args.heads):
                 t0 = time.perf_counter()
                 try:
                     errors, stats = run_case(mode, uly, mask, plan, q, k, v, dout, ref, mesh, rank, impl, args.mask_on)
-                    row = {"errors": errors, "skipped": stats.transfers_skipped, "posted": stats.transfers_posted}
+                    row = {"errors": errors, "skipped": stats.transfers_skipped, "posted": stats.transfers_posted,
+                           "bytes_sent": stats.bytes_sent}
                     if mode == "ring":
                         row["expected_skipped"] = expected_skips(table, rank)
+                        row["expected_bytes"] = expected_bytes(windows, rank, args.kv_heads * args.head_dim * q.element_size())
                     elif mode == "hybrid":
                         row["expected_skipped"] = hybrid_expected_skips(mask.to("cpu"), plan, mesh)
                 except Exception as e:  # noqa: BLE001 - reported as a failed case, the others still run
@@ -203,7 +218,8 @@ def main() -> None:
                         "heads": args.heads, "kv_heads": args.kv_heads, "dtype": args.dtype, "ranks": gathered}
                 tol = TOLERANCE[dtype]
                 ok = all("exception" not in r and max(r["errors"].values()) <= tol
-                         and r.get("expected_skipped", r["skipped"]) == r["skipped"] for r in gathered)
+                         and r.get("expected_skipped", r["skipped"]) == r["skipped"]
+                         and r.get("expected_bytes", r["bytes_sent"]) == r["bytes_sent"] for r in gathered)
                 case["pass"] = ok
                 failed += not ok
                 results.append(case)
