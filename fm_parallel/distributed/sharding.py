@@ -108,8 +108,8 @@ def pair_counts(mask: FlashMask, positions: list[torch.Tensor]) -> torch.Tensor:
 
 def pair_table_and_key_windows(mask: FlashMask, positions: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`pair_counts` and, for every (query rank r, key rank j), the window of j's keys that r's
-    queries see: ``windows[r, j] = (c0, c1)``, the local key indices (positions in ``positions[j]``,
-    which are sorted) of the first and one past the last key of rank j that any query of rank r sees;
+    queries see: ``windows[r, j] = (c0, c1)``, the local key indices (positions in ``positions[j]``;
+    a plan's are sorted) of the first and one past the last key of rank j that any query of rank r sees;
     ``(0, 0)`` where r sees none of j's keys. ``[P, P, 2]`` int64 on the CPU, the same on every rank
     (computed from the replicated mask and plan), so a sender and its receiver agree on what moves."""
     return _pairs(mask, positions, windows=True)
@@ -139,8 +139,9 @@ def _pairs(mask: FlashMask, positions: list[torch.Tensor], windows: bool) -> tup
         table[r].index_add_(0, key_owner, inside.reshape(-1))
         if windows:
             seen = (inside > 0).any(-1).flatten(0, 1).any(0)  # [Nk]: some row of r sees the column
-            first[r].scatter_reduce_(0, column_owner[seen], column_local[seen], "amin")
-            last[r].scatter_reduce_(0, column_owner[seen], column_local[seen], "amax")
+            # Unseen columns reduce as n / -1, the start values (no boolean indexing: no device sync).
+            first[r].scatter_reduce_(0, column_owner, torch.where(seen, column_local, n), "amin")
+            last[r].scatter_reduce_(0, column_owner, torch.where(seen, column_local, -1), "amax")
     table = table[:, :p].cpu()
     if not windows:
         return table, None
