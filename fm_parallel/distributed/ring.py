@@ -85,8 +85,11 @@ class _Ring:
         pending = self.post_kv(1, k, v) if self.world > 1 else None
         for step in range(self.world):
             if step == 0:
+                # (a copy when the own window is partial, rare: the kernels then take the same dense
+                # layout as a received chunk)
                 window = self.prepared.key_window(self.rank)
-                chunk = (_keys(k, window), _keys(v, window)) if self.needed[self.rank][self.rank] else None
+                chunk = ((_keys(k, window, contiguous=True), _keys(v, window, contiguous=True))
+                         if self.needed[self.rank][self.rank] else None)
             else:
                 reqs, chunk = pending
                 pending = self.post_kv(step + 1, k, v) if step + 1 < self.world else None
