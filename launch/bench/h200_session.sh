@@ -31,6 +31,10 @@
 #                                              # (window_sinks, global_window: cute / Flex-FLASH / triton / Flex at
 #                                              # 16k, 64k, cover slot included); CP with row windows at 128k is its
 #                                              # own call each: IMPLS=cute NS=131072 CP_TIMEOUT=540 ... cp (then triton)
+#   NS="16384" MASKS="global_window" bash launch/bench/h200_session.sh issue21  # carry [".fa4one", ".fa4extra"]:
+#                                              # cute vs Flex-FLASH only (kernel.py with FA4 on the path; a bare
+#                                              # kernel.py call lacks it and skips both), one (mask, N) costs minutes
+#                                              # of compiles: one or two per call
 #   bash launch/bench/h200_session.sh hostprof # carry [".fa4one", ".fa4extra"]: where a CP layer's host time goes at
 #                                              # P = 8 (cProfile of rank 0, docs and sliding + sinks, 128k, zigzag)
 #   NS="16384 65536" bash launch/bench/h200_session.sh costs   # carry [".fa4one"]: partial vs full tile cost
@@ -48,8 +52,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 stage=${1:-}
 shift || true
-case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost|cpall|dpo|next|hostprof) ;; *)
-  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost|cpall|dpo|next|hostprof" >&2; exit 2 ;; esac
+case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost|cpall|dpo|next|issue21|hostprof) ;; *)
+  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost|cpall|dpo|next|issue21|hostprof" >&2; exit 2 ;; esac
 if [ "$stage" = pack ]; then  # on this machine, not the GPU one
   tmp=$(mktemp -d); tar xJf .fa4big/libs_cu13.tar.xz -C "$tmp"
   for w in .fa4/*.whl; do python3 -m zipfile -e "$w" "$tmp"; done
@@ -155,6 +159,12 @@ case "$stage" in
     timeout ${KERNEL_TIMEOUT:-240} python3 launch/bench/kernel.py --ns 16384 65536 --masks window_sinks global_window \
       --impls cute flex_flash triton flex --quick --extra-dims-at 0 --out "$OUT" --tag kernel_h200_issue21 2>&1 \
       | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/kernel_issue21.log" | tail -14 || true
+    ;;
+  issue21)
+    fa4
+    timeout ${KERNEL_TIMEOUT:-500} python3 launch/bench/kernel.py --ns ${NS:-16384} --masks ${MASKS:-global_window} \
+      --impls cute flex_flash --quick --extra-dims-at 0 --out "$OUT" --tag kernel_h200_issue21_cute 2>&1 \
+      | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/kernel_issue21_cute.log" | tail -8 || true
     ;;
   hostprof)
     fa4
