@@ -164,26 +164,25 @@ def profile_ms(fn, calls: int) -> dict:
     return {"total": total / calls, "copy": copy / calls}
 
 
+def keep_gpu_busy(ms: float) -> None:
+    """Queue a GPU sleep of about ``ms`` (the H200's SM clock is about 1.98 GHz): work launched after it
+    queues behind it, so CUDA events around that work time the device and not the host's launches."""
+    torch.cuda._sleep(int(ms * 1.98e6))
+
+
 def host_ms(fn, calls: int, sleep_ms: float) -> tuple[float, bool, dict]:
     """Median host ms per call while the GPU is busy for ``sleep_ms`` first, True if a call waited for
     it, and min / median / max of the calls."""
     torch.cuda.synchronize()
-    cycles = int(sleep_ms * 1.98e6)  # the H200's SM clock is about 1.98 GHz
     times = []
     for _ in range(calls):
-        torch.cuda._sleep(cycles)
+        keep_gpu_busy(sleep_ms)
         t0 = time.perf_counter()
         fn()
         times.append(1e3 * (time.perf_counter() - t0))
         torch.cuda.synchronize()
     stats = spread(times)
     return stats["median"], stats["median"] >= 0.8 * sleep_ms, stats
-
-
-def keep_gpu_busy(ms: float) -> None:
-    """Queue a GPU sleep of about ``ms`` (the H200's SM clock is about 1.98 GHz): work launched after it
-    queues behind it, so CUDA events around that work time the device and not the host's launches."""
-    torch.cuda._sleep(int(ms * 1.98e6))
 
 
 def queued(fn, calls: int, forget=None) -> bool:
