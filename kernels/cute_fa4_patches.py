@@ -1,8 +1,8 @@
 """Two changes to FlashAttention-4's SM90 kernels, made only for FlashMask's own ``mask_mod``.
 
 FA4 (pinned ``flash-attn-4==4.0.0b36``) treats a ``mask_mod`` as an opaque per-score predicate, and
-schedules every block-sparse forward in plain grid order. Both cost FlashMask speed that its column
-bounds make easy to win back, so this module replaces two trace-time pieces of FA4, and only when the
+schedules every block-sparse kernel in plain grid order. Both cost FlashMask speed that its column
+bounds make easy to win back, so this module replaces trace-time pieces of FA4, and only when the
 kernel being traced carries one of our ``mask_mod`` functions (:func:`register`); Flex, plain FA4 and
 every other caller trace FA4's untouched code.
 
@@ -13,45 +13,66 @@ every other caller trace FA4's untouched code.
    every row against them: the forward's 2 rows x 32 columns per thread need 32 loads instead of 64,
    the backward (scores transposed, many rows per column) a few instead of 64. Partial tiles are a
    quarter to a third of the visited tiles on packed documents and sliding windows.
-2. **Heaviest-first forward schedule** (the forward's ``SingleTileScheduler``). FA4 runs causal
-   attention with its LPT scheduler (query tiles in reverse, heads grouped to stay in L2) but the
-   block-sparse path in grid order, so the longest rows of causal-like masks start last and leave the
-   GPU idle at the end. Our forward uses the LPT scheduler as FA4's causal kernel does. Which tile runs
-   where does not change any result.
+2. **Heaviest-first schedule** (the ``SingleTileScheduler`` of the forward and the backward). FA4 runs
+   the block-sparse path in grid order, one CTA per (block, head, batch); a block that visits many
+   more tiles than the others (the query block of global rows, the key block of attention sinks, the
+   last rows of causal-like masks) may then start late and run alone at the end: up to 1.5x the
+   kernel's ideal time on windows with sinks or global tokens (a list-scheduling model of the tile
+   counts, docs/benchmarks/README.md). FA4's causal answer, reversing the query blocks (its LPT
+   scheduler), only helps masks whose heavy blocks are the last ones. Here the CTAs run in an order
+   given at run time (:class:`CostOrderScheduler`): the (block, head, batch) work items sorted by
+   visited tiles, heaviest first (:func:`.fa4_sparsity.cost_order`, from the same block lists), so
+   any mask's heavy blocks start first. The order tensor is the last of the ``mask_mod``'s auxiliary
+   tensors. Which tile runs where does not change any result.
 
 Both are switched per ``mask_mod`` (:class:`Options`), so a benchmark can compare them in one process
 (the options are part of the ``mask_mod``'s compile-cache hash). :func:`install` is idempotent and
 refuses any FA4 version other than the pinned one, leaving FA4 unchanged (the backend still works,
-without these two gains; a warning says so).
+without these gains; a warning says so).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import logging
-import threading
+import sys
 from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass.cute import FastDivmodDivisorV2
 from cutlass.cutlass_dsl import min as dsl_min
+from quack.cute_dsl_utils import ParamsBase
 
-__all__ = ["Options", "FlashMaskSpec", "install", "register", "forward_schedule", "traced"]
+__all__ = ["Options", "FlashMaskSpec", "CostOrderScheduler", "install", "register", "traced", "SCHEDULES",
+           "SPARSE_BLOCK_Q"]
 
 log = logging.getLogger(__name__)
 
 PINNED_FA4 = "4.0.0b36"
 
 
+# How the CTAs of a FlashMask kernel are ordered: "cost" (heaviest first from the block lists, both
+# passes), "reversed" (FA4's LPT scheduler on the forward: query blocks in reverse; the backward in grid
+# order; what this module did before "cost"), "grid" (FA4's own order).
+SCHEDULES = ("cost", "reversed", "grid")
+# The query block of FA4's block-sparsity lists (fa4_sparsity.fa4_tile_shape, every head dim): the
+# forward's tile is this or a divisor of it, so one entry of the order covers 128 // tile_m CTAs.
+SPARSE_BLOCK_Q = 128
+
+
 @dataclass(frozen=True)
 class Options:
-    """Which of the two changes a ``mask_mod`` gets (both by default)."""
+    """Which changes a ``mask_mod`` gets (both by default): column-first masking, and the schedule."""
 
     column_first: bool = True
-    heaviest_first: bool = True
+    schedule: str = "cost"
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {SCHEDULES}, got {self.schedule!r}")
 
 
 @dataclass(frozen=True)
@@ -66,10 +87,10 @@ class FlashMaskSpec:
 
 
 _SPECS: dict[int, tuple[object, FlashMaskSpec]] = {}  # id(mask_mod) -> (mask_mod kept alive, spec)
-_state = threading.local()
 # What kernels were traced with, counted at trace time (never at run time): "column_first" /
 # "per_score" masking of FlashMask partial tiles, with "_transposed" for the backward's S^T layout,
-# and "heaviest_first" / "grid_order" forward schedules. For tests and the compile check.
+# and the schedules: "cost_order" / "reversed_order" / "grid_order" (forward), the same with "_bwd"
+# (backward; "reversed" leaves it in grid order). For tests and the compile check.
 traced: collections.Counter = collections.Counter()
 
 
@@ -81,17 +102,6 @@ def register(mask_mod, spec: FlashMaskSpec) -> None:
 def _spec_of(mask_mod) -> FlashMaskSpec | None:
     entry = _SPECS.get(id(mask_mod)) if mask_mod is not None else None
     return entry[1] if entry is not None and entry[0] is mask_mod else None
-
-
-@contextlib.contextmanager
-def forward_schedule(heaviest_first: bool):
-    """Around a call of FA4's forward: a kernel compiled inside uses the LPT schedule if asked."""
-    previous = getattr(_state, "heaviest_first", False)
-    _state.heaviest_first = heaviest_first
-    try:
-        yield
-    finally:
-        _state.heaviest_first = previous
 
 
 @cute.jit
@@ -154,33 +164,150 @@ def _apply_flashmask(mask, acc_S: cute.Tensor, batch_idx: Int32, head_idx: Int32
             acc_S_mn[r, col] = acc_S_mn[r, col] if visible else -Float32.inf
 
 
-def _lpt_scheduler_proxy(plain, lpt):
-    """A stand-in for the forward's ``SingleTileScheduler``: FA4's LPT scheduler (with ``lpt=True``)
-    for kernels compiled inside ``forward_schedule(True)``, the plain one otherwise. Later calls
-    dispatch on the parameters' type, which records the choice."""
+class CostOrderScheduler:
+    """FA4 tile scheduler (the ``SingleTileScheduler`` protocol: one work item per CTA) running the
+    blocks in the order of a tensor: ``order[r]`` is the ``r``-th block of the block-sparsity lists to
+    run, for every (head, batch) of the kernel (heads fastest), each list block covering ``rep`` of
+    the kernel's blocks (64-row forward tiles or PackGQA's packed rows under 128-row lists; else 1).
+    The order names list blocks only, so it holds whatever heads the kernel packs. Blocks past the
+    kernel's count (a ragged last list block split) are invalid items: that CTA has nothing to do."""
 
-    class HeaviestFirstOrPlain:
+    @dataclass
+    class Params(ParamsBase):
+        total: Int32  # CTAs: T * group
+        num_blocks: Int32  # T: list blocks, len(order)
+        num_block: Int32  # the kernel's blocks per (head, batch)
+        group_divmod: FastDivmodDivisorV2  # CTAs per list block: num_head * num_batch * rep
+        num_head_divmod: FastDivmodDivisorV2
+        order: cute.Tensor
+        rep: cutlass.Constexpr[int] = 1
+
+        @staticmethod
+        def create(args, order: cute.Tensor, rep: int) -> "CostOrderScheduler.Params":
+            blocks = (args.num_block + (rep - 1)) // rep
+            group = args.num_head * args.num_batch * rep
+            return CostOrderScheduler.Params(blocks * group, blocks, args.num_block, FastDivmodDivisorV2(group),
+                                             FastDivmodDivisorV2(args.num_head), order, rep)
+
+    def __init__(self, params: Params, tile_idx: Int32, *, loc=None, ip=None):
+        self.params = params
+        self._tile_idx = tile_idx
+        self._loc = loc
+        self._ip = ip
+
+    @staticmethod
+    def create(params: Params, ctx=None, *, loc=None, ip=None) -> "CostOrderScheduler":
+        return CostOrderScheduler(params, cute.arch.block_idx()[0], loc=loc, ip=ip)
+
+    @staticmethod
+    def get_grid_shape(params: Params, *, loc=None, ip=None):
+        return (params.total, Int32(1), Int32(1))
+
+    @cute.jit
+    def get_current_work(self, *, loc=None, ip=None):
+        from flash_attn.cute.tile_scheduler import WorkTileInfo
+
+        params = self.params
+        rank, within = divmod(self._tile_idx, params.group_divmod)
+        sub = Int32(0)
+        if const_expr(params.rep > 1):
+            bidhb = within // params.rep
+            sub = within - bidhb * params.rep
+        else:
+            bidhb = within
+        batch_idx, head_idx = divmod(bidhb, params.num_head_divmod)
+        # advance_to_next_work sets the index past the end: read a valid entry, report no work
+        block = Int32(params.order[dsl_min(rank, params.num_blocks - 1)]) * params.rep + sub
+        is_valid = (self._tile_idx < params.total) & (block < params.num_block)
+        return WorkTileInfo((Int32(block), Int32(head_idx), Int32(batch_idx), Int32(0)), is_valid)
+
+    def initial_work_tile_info(self, *, loc=None, ip=None):
+        return self.get_current_work(loc=loc, ip=ip)
+
+    def prefetch_next_work(self, *, loc=None, ip=None):
+        pass
+
+    def advance_to_next_work(self, *, loc=None, ip=None):
+        self._tile_idx = self.params.total  # one item per CTA
+        return self.get_current_work()
+
+    def producer_tail(self, *, loc=None, ip=None):
+        pass
+
+    def __extract_mlir_values__(self):
+        values, self._values_pos = [], []
+        for obj in [self.params, self._tile_idx]:
+            obj_values = cutlass.extract_mlir_values(obj)
+            values += obj_values
+            self._values_pos.append(len(obj_values))
+        return values
+
+    def __new_from_mlir_values__(self, values):
+        obj_list = []
+        for obj, n_items in zip([self.params, self._tile_idx], self._values_pos):
+            obj_list.append(cutlass.new_from_mlir_values(obj, values[:n_items]))
+            values = values[n_items:]
+        return self.__class__(*obj_list, loc=self._loc)
+
+
+def _traced_kernel():
+    """(spec, auxiliary tensors) of the FA4 kernel whose ``__call__`` is being traced, read from the
+    calling frames (the scheduler is chosen inside ``__call__``, which holds ``self`` and ``aux_data``);
+    (None, None) for a kernel without one of our ``mask_mod`` functions."""
+    frame = sys._getframe(2)
+    for _ in range(4):  # __call__ is the scheduler's direct caller; a little slack for DSL wrappers
+        if frame is None:
+            break
+        local = frame.f_locals
+        if "aux_data" in local and hasattr(local.get("self"), "mask_mod"):
+            spec = _spec_of(local["self"].mask_mod)
+            return (spec, local["aux_data"].tensors) if spec is not None else (None, None)
+        frame = frame.f_back
+    return None, None
+
+
+def _scheduler_proxy(plain, lpt, backward: bool):
+    """A stand-in for a kernel module's ``SingleTileScheduler`` (used by FA4 for the block-sparse
+    path): for our kernels, the schedule their :class:`Options` ask for; FA4's own otherwise. Later
+    calls dispatch on the parameters' type, which records the choice."""
+    suffix = "_bwd" if backward else ""
+    schedulers = (plain, lpt, CostOrderScheduler)
+
+    class ScheduleProxy:
         @staticmethod
         def to_underlying_arguments(args, *a, **kw):
-            if getattr(_state, "heaviest_first", False):
-                traced["heaviest_first"] += 1
+            spec, aux = _traced_kernel()
+            schedule = spec.options.schedule if spec is not None else "grid"
+            if schedule == "cost":
+                expected = 2 + int(spec.explicit_rows)  # bounds, [rows,] order
+                # list blocks per kernel block: the backward's key tile is the lists' key block (FA4
+                # requires it); the forward's tile holds tile_m packed rows of qpk heads
+                rows = 1 if backward else SPARSE_BLOCK_Q * args.qhead_per_kvhead_packgqa
+                tile = 1 if backward else args.tile_shape_mn[0]
+                if aux is not None and len(aux) == expected and rows % tile == 0:
+                    traced["cost_order" + suffix] += 1
+                    return CostOrderScheduler.Params.create(args, aux[-1], rows // tile)
+                traced["cost_order_unavailable" + suffix] += 1  # no order passed, or tiles that split no list block
+                schedule = "reversed"
+            if schedule == "reversed" and not backward:
+                traced["reversed_order"] += 1
                 return lpt.to_underlying_arguments(dataclasses.replace(args, lpt=True), *a, **kw)
-            traced["grid_order"] += 1
+            traced["grid_order" + suffix] += 1
             return plain.to_underlying_arguments(args, *a, **kw)
 
         @staticmethod
         def _cls(params):
-            return lpt if isinstance(params, lpt.Params) else plain
+            return next(s for s in schedulers if isinstance(params, s.Params))
 
         @staticmethod
         def get_grid_shape(params, *a, **kw):
-            return HeaviestFirstOrPlain._cls(params).get_grid_shape(params, *a, **kw)
+            return ScheduleProxy._cls(params).get_grid_shape(params, *a, **kw)
 
         @staticmethod
         def create(params, *a, **kw):
-            return HeaviestFirstOrPlain._cls(params).create(params, *a, **kw)
+            return ScheduleProxy._cls(params).create(params, *a, **kw)
 
-    return HeaviestFirstOrPlain
+    return ScheduleProxy
 
 
 _installed: bool | None = None
@@ -197,7 +324,7 @@ def install() -> bool:
         found = version("flash-attn-4")
     except PackageNotFoundError:
         found = None  # unpacked wheels on the device's PYTHONPATH carry no metadata; check the code instead
-    from flash_attn.cute import flash_fwd_sm90, mask as fa4_mask, tile_scheduler
+    from flash_attn.cute import flash_bwd_sm90, flash_fwd_sm90, mask as fa4_mask, tile_scheduler
 
     original = fa4_mask.AttentionMask.apply_mask
     expected = ("self", "acc_S", "batch_idx", "head_idx", "m_block", "n_block", "thr_mma", "mask_seqlen",
@@ -205,10 +332,15 @@ def install() -> bool:
     import inspect
 
     params = tuple(inspect.signature(getattr(original, "__wrapped__", original)).parameters)
+    call_params = {name: tuple(inspect.signature(getattr(cls.__call__, "__wrapped__", cls.__call__)).parameters)
+                   for name, cls in (("fwd", flash_fwd_sm90.FlashAttentionForwardSm90),
+                                     ("bwd", flash_bwd_sm90.FlashAttentionBackwardSm90))}
     if (found not in (None, PINNED_FA4) or params != expected
-            or flash_fwd_sm90.SingleTileScheduler is not tile_scheduler.SingleTileScheduler):
+            or any("aux_data" not in p or p[0] != "self" for p in call_params.values())
+            or flash_fwd_sm90.SingleTileScheduler is not tile_scheduler.SingleTileScheduler
+            or flash_bwd_sm90.SingleTileScheduler is not tile_scheduler.SingleTileScheduler):
         log.warning("flash-attn-4 %s is not the pinned %s: impl='cute' runs FA4 unchanged (per-score mask_mod, "
-                    "grid-order forward), slower on partial tiles", found, PINNED_FA4)
+                    "grid order), slower on partial tiles and heavy blocks", found, PINNED_FA4)
         _installed = False
         return False
 
@@ -228,7 +360,9 @@ def install() -> bool:
 
     apply_mask.fm_parallel_original = original
     fa4_mask.AttentionMask.apply_mask = apply_mask
-    flash_fwd_sm90.SingleTileScheduler = _lpt_scheduler_proxy(tile_scheduler.SingleTileScheduler,
-                                                              tile_scheduler.SingleTileLPTScheduler)
+    flash_fwd_sm90.SingleTileScheduler = _scheduler_proxy(tile_scheduler.SingleTileScheduler,
+                                                          tile_scheduler.SingleTileLPTScheduler, backward=False)
+    flash_bwd_sm90.SingleTileScheduler = _scheduler_proxy(tile_scheduler.SingleTileScheduler,
+                                                          tile_scheduler.SingleTileLPTScheduler, backward=True)
     _installed = True
     return True

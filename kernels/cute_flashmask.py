@@ -34,8 +34,8 @@ from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 from fm_parallel.kernels import cute_fa4_patches
 from fm_parallel.kernels.custom_op import define_attention_op
 from fm_parallel.kernels.cute_mask_mod import flashmask_mask_mod
-from fm_parallel.kernels.fa4_sparsity import (fa4_block_sparsity, fa4_block_sparsity_consecutive, fa4_tile_shape,
-                                              pack_bounds)
+from fm_parallel.kernels.fa4_sparsity import (cost_order, fa4_block_sparsity, fa4_block_sparsity_consecutive,
+                                              fa4_tile_shape, pack_bounds)
 from fm_parallel.masks.flashmask import FlashMask
 
 __all__ = ["attention", "forward", "backward", "cute_fwd", "cute_bwd", "paths", "supports", "unsupported_inputs"]
@@ -72,28 +72,36 @@ def _bshd(t: torch.Tensor) -> torch.Tensor:
 
 
 def _sparsity(mask: FlashMask, positions: torch.Tensor, num_heads: int, head_dim: int, q_offset: int | None):
-    """FA4's (forward, backward) block-sparse tensors, cached on the mask for consecutive rows."""
+    """FA4's (forward, backward) block-sparse tensors and, for the cost-ordered schedule (the default
+    :data:`OPTIONS`), each pass's CTA order (``None`` otherwise); cached on the mask for consecutive rows."""
     block_q, block_k = fa4_tile_shape(head_dim)
+    ordered = OPTIONS.schedule == "cost"
+
+    def finish(fwd, bwd):
+        orders = (cost_order(fwd), cost_order(bwd)) if ordered else (None, None)
+        return fwd.to_fa4(), bwd.to_fa4(), *orders
 
     if q_offset is None:  # arbitrary rows (zigzag shards): the dense tile grid, no cheap cache key
-        fwd, bwd = fa4_block_sparsity(mask, block_q, block_k, num_heads, positions)
-        return fwd.to_fa4(), bwd.to_fa4()
+        return finish(*fa4_block_sparsity(mask, block_q, block_k, num_heads, positions))
 
     def make():  # consecutive rows: the lists built on the GPU from the tile ranges
-        fwd, bwd = fa4_block_sparsity_consecutive(mask, block_q, block_k, num_heads, q_offset, positions.numel())
-        return fwd.to_fa4(), bwd.to_fa4()
+        return finish(*fa4_block_sparsity_consecutive(mask, block_q, block_k, num_heads, q_offset, positions.numel()))
 
-    return mask.cached(("fa4_sparsity", block_q, block_k, num_heads, q_offset, positions.numel()), make)
+    key = ("fa4_sparsity", block_q, block_k, num_heads, q_offset, positions.numel(), ordered)
+    return mask.cached(key, make)
 
 
-def _mask_args(mask: FlashMask, positions: torch.Tensor, num_heads: int, q_offset: int | None):
+def _mask_args(mask: FlashMask, positions: torch.Tensor, num_heads: int, q_offset: int | None,
+               order: torch.Tensor | None):
     """The ``mask_mod`` and its auxiliary tensors: bounds packed in int64 and, for consecutive rows,
-    shifted by the offset (one load per score and interval); for arbitrary rows, also the rows."""
+    shifted by the offset (one load per score and interval); for arbitrary rows, also the rows; last,
+    the pass's CTA order when the schedule is cost-ordered."""
     explicit = q_offset is None
     mask_mod = flashmask_mask_mod(mask.batch == 1, num_heads // mask.heads, mask.max_intervals, explicit, OPTIONS)
     offset = 0 if explicit else q_offset
     bounds = mask.cached(("fa4_bounds", offset), lambda: pack_bounds(mask.fms, mask.fme, offset))
-    return mask_mod, [bounds, positions.to(torch.int32).contiguous()] if explicit else [bounds]
+    aux = [bounds, positions.to(torch.int32).contiguous()] if explicit else [bounds]
+    return mask_mod, aux if order is None else [*aux, order]
 
 
 # How many calls took each path (counted on the host; tests and verify_gpu.py read it).
@@ -150,14 +158,13 @@ def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_
         return out, lse
     paths["block_sparse"] += 1
     hq, d = q.shape[1], q.shape[-1]
-    fwd_sparsity, _ = _sparsity(mask, positions, hq, d, q_offset)
-    mask_mod, aux = _mask_args(mask, positions, hq, q_offset)
+    fwd_sparsity, _, fwd_order, _ = _sparsity(mask, positions, hq, d, q_offset)
+    mask_mod, aux = _mask_args(mask, positions, hq, q_offset, fwd_order)
     # Outputs allocated in our layout and handed to FA4 as [B, N, H, D] views: no copies either way.
-    with cute_fa4_patches.forward_schedule(OPTIONS.heaviest_first):
-        _flash_attn_fwd(
-            _bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, mask_mod=mask_mod, aux_tensors=aux,
-            block_sparse_tensors=fwd_sparsity, return_lse=True, out=out.transpose(1, 2), lse=lse,
-        )
+    _flash_attn_fwd(
+        _bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, mask_mod=mask_mod, aux_tensors=aux,
+        block_sparse_tensors=fwd_sparsity, return_lse=True, out=out.transpose(1, 2), lse=lse,
+    )
     return out, lse
 
 
@@ -184,8 +191,8 @@ def cute_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, 
                             dq=_varlen(dq), dk=_varlen(dk), dv=_varlen(dv))
         return dq, dk, dv
     hq, d = q.shape[1], q.shape[-1]
-    _, bwd_sparsity = _sparsity(mask, positions, hq, d, q_offset)
-    mask_mod, aux = _mask_args(mask, positions, hq, q_offset)
+    _, bwd_sparsity, _, bwd_order = _sparsity(mask, positions, hq, d, q_offset)
+    mask_mod, aux = _mask_args(mask, positions, hq, q_offset, bwd_order)
     _flash_attn_bwd(
         _bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse.contiguous(), scale,
         deterministic=False, mask_mod=mask_mod, aux_tensors=aux,

@@ -28,7 +28,8 @@ from fm_parallel.masks.flashmask import FlashMask
 
 from .plan import _classes, consecutive_ranges, packed_ranges
 
-__all__ = ["FA4BlockSparsity", "fa4_block_sparsity", "fa4_block_sparsity_consecutive", "fa4_tile_shape", "pack_bounds"]
+__all__ = ["FA4BlockSparsity", "cost_order", "fa4_block_sparsity", "fa4_block_sparsity_consecutive", "fa4_tile_shape",
+           "pack_bounds"]
 
 
 def pack_bounds(fms: torch.Tensor, fme: torch.Tensor, row_offset: int = 0) -> torch.Tensor:
@@ -101,6 +102,16 @@ class FA4BlockSparsity:
             keep = valid.reshape(-1, inner)
             rows[row_ids[keep], flat_idx[keep]] = int(cls)
         return out
+
+
+def cost_order(lists: FA4BlockSparsity) -> torch.Tensor:
+    """The order in which FA4's CTAs run one pass's blocks, heaviest first: ``[T]`` int32 indices of
+    the outer blocks (query blocks, key blocks when ``transposed``), sorted by the tiles they visit
+    (full + partial, summed over the lists' batch and heads), descending; equal costs keep block order.
+    Read by :class:`.cute_fa4_patches.CostOrderScheduler` from the last auxiliary tensor, which runs
+    every head and batch entry of a block before the next block."""
+    cost = (lists.full_block_cnt + lists.mask_block_cnt).sum((0, 1))  # [T]
+    return torch.argsort(cost, descending=True, stable=True).to(torch.int32)
 
 
 def _check_tile_shape(block_q: int, block_k: int) -> None:

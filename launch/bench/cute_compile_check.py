@@ -63,7 +63,7 @@ def _sparsity_on_cpu(mask, positions, num_heads, head_dim, q_offset):
     of the shapes FA4 will see. Values do not matter for compiling; shapes and dtypes do."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from fm_parallel.kernels import fa4_sparsity
+    from fm_parallel.kernels import cute_flashmask, fa4_sparsity
     from fm_parallel.masks.flashmask import FlashMask
 
     with unset_fake_temporarily():
@@ -73,8 +73,11 @@ def _sparsity_on_cpu(mask, positions, num_heads, head_dim, q_offset):
         lists = fa4_sparsity.fa4_block_sparsity(cpu_mask, *fa4_sparsity.fa4_tile_shape(head_dim), num_heads,
                                                 torch.arange(positions.numel()) + (q_offset or 0))
         handed_over = [s.to_fa4() for s in lists]
-    return tuple(t._replace(**{name: torch.empty(x.shape, dtype=x.dtype, device="cuda") for name, x in t._asdict().items()
+        ordered = cute_flashmask.OPTIONS.schedule == "cost"
+        orders = [fa4_sparsity.cost_order(s) if ordered else None for s in lists]
+    fake = tuple(t._replace(**{name: torch.empty(x.shape, dtype=x.dtype, device="cuda") for name, x in t._asdict().items()
                                if isinstance(x, torch.Tensor)}) for t in handed_over)
+    return (*fake, *(None if o is None else torch.empty(o.shape, dtype=o.dtype, device="cuda") for o in orders))
 
 
 def _allow_fake_semaphores() -> None:

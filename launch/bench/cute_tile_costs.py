@@ -49,7 +49,8 @@ def lists_for(mask, mode: str, heads: int, d: int):
         fa4_sparsity._classes = classes
     full = int(fwd.full_block_cnt.sum()) // fwd.full_block_cnt.shape[1]
     partial = int(fwd.mask_block_cnt.sum()) // fwd.mask_block_cnt.shape[1]
-    return (fwd.to_fa4(), bwd.to_fa4()), full, partial
+    orders = (fa4_sparsity.cost_order(fwd), fa4_sparsity.cost_order(bwd))
+    return (fwd.to_fa4(), bwd.to_fa4(), *orders), full, partial
 
 
 def main() -> None:

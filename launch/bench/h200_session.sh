@@ -35,6 +35,9 @@
 #                                              # cute vs Flex-FLASH only (kernel.py with FA4 on the path; a bare
 #                                              # kernel.py call lacks it and skips both), one (mask, N) costs minutes
 #                                              # of compiles: one or two per call
+#   bash launch/bench/h200_session.sh sched    # carry [".fa4one", ".fa4extra"]: the cost-ordered CuTe schedule:
+#                                              # verify_gpu (cute), then cute / cute_lpt / Flex-FLASH at NS (16k)
+#                                              # on MASKS (global_window window_sinks sliding dpo prefix)
 #   bash launch/bench/h200_session.sh hostprof # carry [".fa4one", ".fa4extra"]: where a CP layer's host time goes at
 #                                              # P = 8 (cProfile of rank 0, docs and sliding + sinks, 128k, zigzag)
 #   NS="16384 65536" bash launch/bench/h200_session.sh costs   # carry [".fa4one"]: partial vs full tile cost
@@ -52,8 +55,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 stage=${1:-}
 shift || true
-case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost|cpall|dpo|next|issue21|hostprof) ;; *)
-  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost|cpall|dpo|next|issue21|hostprof" >&2; exit 2 ;; esac
+case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost|cpall|dpo|next|issue21|sched|hostprof) ;; *)
+  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost|cpall|dpo|next|issue21|sched|hostprof" >&2; exit 2 ;; esac
 if [ "$stage" = pack ]; then  # on this machine, not the GPU one
   tmp=$(mktemp -d); tar xJf .fa4big/libs_cu13.tar.xz -C "$tmp"
   for w in .fa4/*.whl; do python3 -m zipfile -e "$w" "$tmp"; done
@@ -166,6 +169,14 @@ case "$stage" in
       --impls cute flex_flash --quick --extra-dims-at 0 --out "$OUT" --tag kernel_h200_issue21_cute 2>&1 \
       | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/kernel_issue21_cute.log" | tail -8 || true
     ;;
+  sched)  # the cost-ordered schedule: correctness, then cute (cost order) / cute_lpt (before) / Flex-FLASH
+    fa4
+    timeout ${VERIFY_TIMEOUT:-200} python3 launch/bench/verify_gpu.py --impls cute --json "$OUT/verify_gpu_h200_cute_cost_order.json" 2>&1 \
+      | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/verify_cost_order.log" | tail -30 || true
+    timeout ${KERNEL_TIMEOUT:-360} python3 launch/bench/kernel.py --ns ${NS:-16384} \
+      --masks ${MASKS:-global_window window_sinks sliding dpo prefix} --impls ${IMPLS:-cute cute_lpt flex_flash} --quick \
+      --extra-dims-at 0 --long --out "$OUT" --tag kernel_h200_cost_order${TAG:-} 2>&1 \
+      | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/kernel_cost_order.log" | grep "impl=" || true ;;
   hostprof)
     fa4
     timeout ${COST_TIMEOUT:-300} python3 launch/bench/cp_layer_cost.py --out "$OUT/hostprof" --ns 131072 --ps 8 \

@@ -86,17 +86,15 @@ def cute_layers(q, k, v, fm, calls: int) -> dict:
 
     scale = q.shape[-1] ** -0.5
     positions = torch.arange(q.shape[2], device=q.device)
-    sparsity, _ = cute_flashmask._sparsity(fm, positions, q.shape[1], q.shape[-1], 0)
-    mask_mod, aux = cute_flashmask._mask_args(fm, positions, q.shape[1], 0)
+    sparsity, _, order, _ = cute_flashmask._sparsity(fm, positions, q.shape[1], q.shape[-1], 0)
+    mask_mod, aux = cute_flashmask._mask_args(fm, positions, q.shape[1], 0, order)
     out = q.new_empty(q.shape)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     qb, kb, vb = (cute_flashmask._bshd(x.detach()) for x in (q, k, v))
 
     def fa4_only():
-        with cute_fa4_patches.forward_schedule(cute_flashmask.OPTIONS.heaviest_first):
-            cute_flashmask._flash_attn_fwd(qb, kb, vb, softmax_scale=scale, mask_mod=mask_mod, aux_tensors=aux,
-                                           block_sparse_tensors=sparsity, return_lse=True, out=out.transpose(1, 2),
-                                           lse=lse)
+        cute_flashmask._flash_attn_fwd(qb, kb, vb, softmax_scale=scale, mask_mod=mask_mod, aux_tensors=aux,
+                                       block_sparse_tensors=sparsity, return_lse=True, out=out.transpose(1, 2), lse=lse)
 
     layers = {
         "fa4_launcher": fa4_only,

@@ -183,12 +183,14 @@ def mask_churn(n: int, heads: int, impl: str, calls: int = 100) -> dict:
 
 
 # impl="cute" with FlashMask's changes to FA4 (kernels/cute_fa4_patches.py), and without them to measure
-# what each brings: "cute_plain" is FA4 unchanged (per-score mask_mod, grid-order forward), "cute_col"
-# adds only the column-first masking.
+# what each brings; impl -> Options(column-first masking, schedule). "cute" is the backend as shipped
+# (heaviest-first cost order); "cute_lpt" the schedule before the cost order (FA4's reversed forward,
+# grid-order backward); "cute_col" only the column-first masking (FA4's grid order both ways);
+# "cute_plain" FA4 unchanged (per-score mask_mod, grid order).
 # "cute_sparse" is "cute" on a mask that does not know it is causal documents: the block-sparse path
 # even where the backend would run FA4's causal / varlen kernel (what FlashMask on FA4 reaches alone).
-CUTE_VARIANTS = {"cute": (True, True), "cute_sparse": (True, True), "cute_col": (True, False),
-                 "cute_plain": (False, False)}
+CUTE_VARIANTS = {"cute": (True, "cost"), "cute_sparse": (True, "cost"), "cute_lpt": (True, "reversed"),
+                 "cute_col": (True, "grid"), "cute_plain": (False, "grid")}
 
 
 def without_structure(fm: FlashMask) -> FlashMask:
@@ -197,7 +199,7 @@ def without_structure(fm: FlashMask) -> FlashMask:
 
 
 def cute_call(options: tuple[bool, bool], q, k, v, fm):
-    """``flashmask_attention(impl="cute")`` with these FA4 changes (column_first, heaviest_first); the
+    """``flashmask_attention(impl="cute")`` with these FA4 changes (column_first, schedule); the
     backward of the returned output uses them too (each setting has its own compiled kernels)."""
     from fm_parallel.kernels import cute_fa4_patches, cute_flashmask
 
@@ -226,7 +228,7 @@ def run_case(name, n, heads, d, impls, quick, peers) -> list[dict]:
         if impl in impls:
             if impl == "cute_sparse" and fm.causal_documents() is None:
                 continue  # the same as "cute" for masks with no special path
-            mask = without_structure(fm) if impl in ("cute_sparse", "cute_col", "cute_plain") else fm
+            mask = without_structure(fm) if impl in ("cute_sparse", "cute_lpt", "cute_col", "cute_plain") else fm
             rows.append(measure(f"fm_{impl}", cute_call(options, q, k, v, mask), q, k, v, do, pairs, heads, d, quick))
     bm = None
     if {"flex", "flex_flash"} & set(impls):

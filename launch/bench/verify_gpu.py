@@ -10,7 +10,7 @@ GPU. Error measure: ``||x - ref|| / ||ref||`` per tensor (bf16 limit 8e-3, fp16 
 absolute error on finite rows and exact -inf rows where the reference row sees no key.
 
 Cases: every mask family (causal, packed docs with empty rows, bidirectional docs, DPO, reward model,
-prefix-LM, sliding window + sinks, a multi-interval union) at an odd N, GQA (8 query / 2 KV heads),
+prefix-LM, sliding window + sinks, global rows + window, a multi-interval union) at an odd N, GQA (8 query / 2 KV heads),
 head dims 64 / 128 / 256, fp16 and bf16, masks per batch row and per head, and a query chunk with a
 row offset (Nq != Nk, what ring attention runs). Prints PASS / FAIL per case; exits 1 on any FAIL.
 """
@@ -45,6 +45,10 @@ def families(n: int) -> dict[str, FlashMask]:
         "reward_model": masks.preference(n // 4, [n // 4, n // 4, n - 3 * (n // 4)]),
         "prefix_lm_docs": masks.prefix_lm(prefix_len=[n // 8, 40], lengths=[n // 2, n - n // 2]),
         "sliding_window_sinks": masks.sliding_window(n, 300, sinks=4),
+        # 6 global rows that read every key, + the window: 2 intervals, one query block far heavier than
+        # the rest (the cost-ordered schedule runs it first; every block must still run exactly once)
+        "global_rows_window": masks.union(masks.sliding_window(n, 300, sinks=4), masks.FlashMask(
+            torch.zeros(n, dtype=torch.int32), torch.full((n,), 5, dtype=torch.int32))),
         # packed docs whose last 200 rows also read every earlier token (a summary): 2 intervals per column
         "multi_interval": masks.union(masks.document([third, third, n - 2 * third]),
                                       masks.intersect(masks.causal(n), masks.FlashMask(

@@ -36,10 +36,13 @@ def _traced_paths(case: str) -> dict:
     return rows[0]["traced"]
 
 
-@pytest.mark.parametrize("case", ["d128 docs", "d128 zigzag shard (explicit rows)", "d256 docs"])
-def test_our_kernels_mask_column_first_and_schedule_the_forward_heaviest_first(case):
+@pytest.mark.parametrize("case", ["d128 docs", "d128 zigzag shard (explicit rows)", "d256 docs", "d128 mask per Q head"])
+def test_our_kernels_mask_column_first_and_run_both_passes_heaviest_first(case):
+    """Both passes take the cost-ordered scheduler: PackGQA's forward (docs: one mask head, 4 query
+    heads on 2 KV heads), explicit rows, D = 256's smaller tiles, a mask per query head (no PackGQA)."""
     traced = _traced_paths(case)
-    assert traced.get("heaviest_first") == 1 and "grid_order" not in traced, traced
+    assert traced.get("cost_order") == 1 and traced.get("cost_order_bwd") == 1, traced
+    assert not any(k.startswith(("grid_order", "reversed_order", "cost_order_unavailable")) for k in traced), traced
     assert "per_score" not in traced and "per_score_transposed" not in traced, traced
     # the forward masks column-first (not transposed); the D <= 128 backward works on S^T
     assert traced.get("column_first", 0) >= 1, traced
@@ -67,7 +70,7 @@ def foreign(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
 
 case = [c for c in check.CASES if c[0] == "d128 docs"][0]
 with FakeTensorMode(allow_non_fake_inputs=True):
-    cute_flashmask.OPTIONS = cute_fa4_patches.Options(False, False)
+    cute_flashmask.OPTIONS = cute_fa4_patches.Options(False, "grid")
     check.run_case(case, False)
     ours_off = dict(cute_fa4_patches.traced)
     cute_fa4_patches.traced.clear()
@@ -81,7 +84,8 @@ with FakeTensorMode(allow_non_fake_inputs=True):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("OFF")][-1]
     off, foreign = line[4:].split(" FOREIGN ")
-    assert "per_score" in off and "grid_order" in off and "column_first" not in off and "heaviest" not in off, line
+    assert "per_score" in off and "grid_order" in off and "grid_order_bwd" in off, line
+    assert "column_first" not in off and "cost_order" not in off and "reversed" not in off, line
     assert foreign == "[('grid_order', 1)]", line  # FA4's own masking (not ours, not counted), grid order
 
 
@@ -110,7 +114,7 @@ for lengths, b in (((300,), 2), ((100, 150, 50), 1), ((100, 200), 2), (None, 1))
         mask = FlashMask(*bounds, n, validate=False)
         mask.set_causal_documents(lengths)
         if lengths and len(lengths) > 1:  # the pinned upload is real work: hand over its fake result
-            mask._cache[("cu_seqlens", lengths)] = torch.empty(len(lengths) + 1, dtype=torch.int32, device="cuda")
+            mask.cached(("cu_seqlens", lengths), lambda: torch.empty(len(lengths) + 1, dtype=torch.int32, device="cuda"))
         pos = torch.arange(n, device="cuda")
         before = dict(cute_flashmask.paths)
         out, lse = cute_flashmask.cute_fwd(q, k, k, mask, pos, 0.1, 0)

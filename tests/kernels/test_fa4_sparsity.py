@@ -179,3 +179,38 @@ def test_consecutive_builder_on_row_slices_batches_and_kv_head_masks(seed, monke
     assert_same_lists(got, fa4_block_sparsity(m, 8, 16, num_heads=4, positions=torch.arange(offset, offset + rows)))
     with pytest.raises(ValueError, match="num_heads: expected a multiple of the mask's 2 heads, got 3"):
         fa4_block_sparsity_consecutive(m.to(device), 8, 16, 3, 0, 70)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cost_order_runs_every_block_once_heaviest_first(family):
+    """The CTA order of the cost-ordered schedule: a permutation of the outer blocks, by visited tiles
+    (summed over the mask's batch and heads, from the dense picture) descending, ties in block order."""
+    from fm_parallel.kernels.fa4_sparsity import cost_order
+
+    m = FAMILIES[family]
+    fwd, bwd = fa4_block_sparsity(m, 16, 8)
+    want = expected(m, torch.arange(m.num_rows), 16, 8)
+    for lists, visited in ((fwd, (want != TileClass.SKIP).sum((0, 1, 3))), (bwd, (want != TileClass.SKIP).sum((0, 1, 2)))):
+        order = cost_order(lists)
+        assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(len(visited)))
+        ranked = [(-int(visited[i]), i) for i in order.tolist()]
+        assert ranked == sorted(ranked), (family, ranked)
+
+
+def test_cost_order_puts_the_heavy_blocks_of_global_rows_and_sinks_first():
+    """Global rows (query block 0 reads every key) lead the forward; attention sinks (key block 0 is
+    read by every row) lead the backward; a per-batch mask orders by the sum over its rows."""
+    from fm_parallel.kernels.fa4_sparsity import cost_order
+
+    n = 1024
+    window = masks.sliding_window(n, 128, sinks=4)
+    glob = masks.union(window, FlashMask(torch.zeros(n, dtype=torch.int32), torch.full((n,), 3, dtype=torch.int32)))
+    fwd, _ = fa4_block_sparsity(glob, 128, 128)
+    assert cost_order(fwd)[0] == 0
+    _, bwd = fa4_block_sparsity(window, 128, 128)
+    assert cost_order(bwd)[0] == 0
+    causal_fwd, _ = fa4_block_sparsity(masks.causal(n), 128, 128)
+    assert cost_order(causal_fwd).tolist() == list(range(7, -1, -1))  # the last rows are the heaviest
+    both, _ = fa4_block_sparsity(masks.stack([masks.causal(n), glob]), 128, 128)
+    cost = (both.full_block_cnt + both.mask_block_cnt).sum((0, 1))
+    assert cost[cost_order(both)].tolist() == sorted(cost.tolist(), reverse=True)
