@@ -17,13 +17,15 @@ every other caller trace FA4's untouched code.
    the block-sparse path in grid order, one CTA per (block, head, batch); a block that visits many
    more tiles than the others (the query block of global rows, the key block of attention sinks, the
    last rows of causal-like masks) may then start late and run alone at the end: up to 1.5x the
-   kernel's ideal time on windows with sinks or global tokens (a list-scheduling model of the tile
-   counts, docs/benchmarks/README.md). FA4's causal answer, reversing the query blocks (its LPT
-   scheduler), only helps masks whose heavy blocks are the last ones. Here the CTAs run in an order
-   given at run time (:class:`CostOrderScheduler`): the (block, head, batch) work items sorted by
-   visited tiles, heaviest first (:func:`.fa4_sparsity.cost_order`, from the same block lists), so
-   any mask's heavy blocks start first. The order tensor is the last of the ``mask_mod``'s auxiliary
-   tensors. Which tile runs where does not change any result.
+   kernel's ideal time on windows with sinks or global tokens (launch/bench/schedule_model.py), and
+   measured on the H200: 1.4-1.6x slower backward on sliding windows with sinks. FA4's causal answer,
+   reversing the query blocks (its LPT scheduler), only helps masks whose heavy blocks are the last
+   ones. Here the CTAs run in an order given at run time (:class:`CostOrderScheduler`): blocks in
+   buckets of visited tiles, heaviest bucket first, each bucket run head by head
+   (:func:`.fa4_sparsity.cost_order`, from the same block lists), so any mask's heavy blocks start
+   early while the CTAs in flight share one or two heads' data in L2 (sorting every (block, head)
+   item by cost with heads interleaved lost 10% on the DPO backward to L2 misses). The order tensor
+   is the last of the ``mask_mod``'s auxiliary tensors. Which tile runs where changes no result.
 
 Both are switched per ``mask_mod`` (:class:`Options`), so a benchmark can compare them in one process
 (the options are part of the ``mask_mod``'s compile-cache hash). :func:`install` is idempotent and
@@ -45,6 +47,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute import FastDivmodDivisorV2
 from cutlass.cutlass_dsl import min as dsl_min
 from quack.cute_dsl_utils import ParamsBase
+
+from .fa4_sparsity import ORDER_BUCKETS
 
 __all__ = ["Options", "FlashMaskSpec", "CostOrderScheduler", "install", "register", "traced", "SCHEDULES",
            "SPARSE_BLOCK_Q"]
@@ -166,18 +170,19 @@ def _apply_flashmask(mask, acc_S: cute.Tensor, batch_idx: Int32, head_idx: Int32
 
 class CostOrderScheduler:
     """FA4 tile scheduler (the ``SingleTileScheduler`` protocol: one work item per CTA) running the
-    blocks in the order of a tensor: ``order[r]`` is the ``r``-th block of the block-sparsity lists to
-    run, for every (head, batch) of the kernel (heads fastest), each list block covering ``rep`` of
-    the kernel's blocks (64-row forward tiles or PackGQA's packed rows under 128-row lists; else 1).
-    The order names list blocks only, so it holds whatever heads the kernel packs. Blocks past the
-    kernel's count (a ragged last list block split) are invalid items: that CTA has nothing to do."""
+    blocks in the order of :func:`.fa4_sparsity.cost_order`: bucket by bucket (heaviest first), every
+    (head, batch) entry of the kernel in turn over the bucket's blocks. Each block of the lists covers
+    ``rep`` of the kernel's blocks (64-row forward tiles or PackGQA's packed rows under 128-row
+    lists; else 1). The order names list blocks only, so it holds whatever heads the kernel packs.
+    Blocks past the kernel's count (a ragged last list block split) are CTAs with nothing to do.
+    :func:`.fa4_sparsity.cta_items` is this decoding in Python."""
 
     @dataclass
     class Params(ParamsBase):
         total: Int32  # CTAs: T * group
-        num_blocks: Int32  # T: list blocks, len(order)
+        num_blocks: Int32  # T: list blocks
         num_block: Int32  # the kernel's blocks per (head, batch)
-        group_divmod: FastDivmodDivisorV2  # CTAs per list block: num_head * num_batch * rep
+        group: Int32  # CTAs per list block: num_head * num_batch * rep
         num_head_divmod: FastDivmodDivisorV2
         order: cute.Tensor
         rep: cutlass.Constexpr[int] = 1
@@ -186,7 +191,7 @@ class CostOrderScheduler:
         def create(args, order: cute.Tensor, rep: int) -> "CostOrderScheduler.Params":
             blocks = (args.num_block + (rep - 1)) // rep
             group = args.num_head * args.num_batch * rep
-            return CostOrderScheduler.Params(blocks * group, blocks, args.num_block, FastDivmodDivisorV2(group),
+            return CostOrderScheduler.Params(blocks * group, blocks, args.num_block, group,
                                              FastDivmodDivisorV2(args.num_head), order, rep)
 
     def __init__(self, params: Params, tile_idx: Int32, *, loc=None, ip=None):
@@ -208,16 +213,24 @@ class CostOrderScheduler:
         from flash_attn.cute.tile_scheduler import WorkTileInfo
 
         params = self.params
-        rank, within = divmod(self._tile_idx, params.group_divmod)
+        order = params.order
+        starts = params.num_blocks  # order[starts + r]: where bucket rank r begins in order[:T]
+        # advance_to_next_work sets the index past the end: decode a valid one, report no work
+        cta = dsl_min(self._tile_idx, params.total - 1)
+        bucket = Int32(0)
+        for r in cutlass.range_constexpr(1, ORDER_BUCKETS):  # the last bucket starting at or before cta
+            bucket = Int32(r) if cta >= Int32(order[starts + r]) * params.group else bucket
+        first = Int32(order[starts + bucket])
+        span = (Int32(order[starts + bucket + 1]) - first) * params.rep  # > 0: cta lies in this bucket
+        entry = (cta - first * params.group) // span
+        rest = cta - first * params.group - entry * span
         sub = Int32(0)
+        rank = rest
         if const_expr(params.rep > 1):
-            bidhb = within // params.rep
-            sub = within - bidhb * params.rep
-        else:
-            bidhb = within
-        batch_idx, head_idx = divmod(bidhb, params.num_head_divmod)
-        # advance_to_next_work sets the index past the end: read a valid entry, report no work
-        block = Int32(params.order[dsl_min(rank, params.num_blocks - 1)]) * params.rep + sub
+            rank = rest // params.rep
+            sub = rest - rank * params.rep
+        block = Int32(order[first + rank]) * params.rep + sub
+        batch_idx, head_idx = divmod(entry, params.num_head_divmod)
         is_valid = (self._tile_idx < params.total) & (block < params.num_block)
         return WorkTileInfo((Int32(block), Int32(head_idx), Int32(batch_idx), Int32(0)), is_valid)
 

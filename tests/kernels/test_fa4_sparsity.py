@@ -182,35 +182,44 @@ def test_consecutive_builder_on_row_slices_batches_and_kv_head_masks(seed, monke
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_cost_order_runs_every_block_once_heaviest_first(family):
-    """The CTA order of the cost-ordered schedule: a permutation of the outer blocks, by visited tiles
-    (summed over the mask's batch and heads, from the dense picture) descending, ties in block order."""
-    from fm_parallel.kernels.fa4_sparsity import cost_order
+@pytest.mark.parametrize("entries,rep", [(1, 1), (3, 1), (2, 2)])
+def test_cost_order_runs_every_block_of_every_head_once_heavy_buckets_first(family, entries, rep):
+    """The CTA order of the cost-ordered schedule, decoded as the kernel does: every (kernel block,
+    head-batch entry) exactly once; buckets of visited tiles (from the dense picture) never lighter
+    before heavier; within a bucket one entry after the other, its blocks heaviest first."""
+    from fm_parallel.kernels.fa4_sparsity import cost_order, cta_items
 
     m = FAMILIES[family]
     fwd, bwd = fa4_block_sparsity(m, 16, 8)
     want = expected(m, torch.arange(m.num_rows), 16, 8)
+    heads = m.batch * m.heads
     for lists, visited in ((fwd, (want != TileClass.SKIP).sum((0, 1, 3))), (bwd, (want != TileClass.SKIP).sum((0, 1, 2)))):
-        order = cost_order(lists)
-        assert order.dtype == torch.int32 and sorted(order.tolist()) == list(range(len(visited)))
-        ranked = [(-int(visited[i]), i) for i in order.tolist()]
-        assert ranked == sorted(ranked), (family, ranked)
+        blocks = len(visited)
+        num_block = blocks * rep - (rep > 1)  # a ragged last list block: its second half is no kernel block
+        items = cta_items(cost_order(lists), entries, num_block, rep)
+        assert len(items) == blocks * entries * rep
+        real = [it for it in items if it != (-1, -1)]
+        assert sorted(real) == [(b, e) for b in range(num_block) for e in range(entries)]
+        bucket = [int(torch.log2(torch.tensor(max(float(visited[b // rep]) / heads, 1.0)))) for b, _ in real]
+        assert bucket == sorted(bucket, reverse=True), (family, bucket)
+        for i in range(1, len(real)):
+            if bucket[i] == bucket[i - 1] and real[i][1] == real[i - 1][1]:  # same bucket, same entry
+                assert visited[real[i][0] // rep] <= visited[real[i - 1][0] // rep]
+            elif bucket[i] == bucket[i - 1]:  # the next entry starts once the previous one ran the bucket
+                assert real[i][1] == real[i - 1][1] + 1
 
 
 def test_cost_order_puts_the_heavy_blocks_of_global_rows_and_sinks_first():
     """Global rows (query block 0 reads every key) lead the forward; attention sinks (key block 0 is
-    read by every row) lead the backward; a per-batch mask orders by the sum over its rows."""
-    from fm_parallel.kernels.fa4_sparsity import cost_order
+    read by every row) lead the backward; the last rows of a causal mask lead its forward."""
+    from fm_parallel.kernels.fa4_sparsity import cost_order, cta_items
 
-    n = 1024
+    n = 4096
     window = masks.sliding_window(n, 128, sinks=4)
     glob = masks.union(window, FlashMask(torch.zeros(n, dtype=torch.int32), torch.full((n,), 3, dtype=torch.int32)))
     fwd, _ = fa4_block_sparsity(glob, 128, 128)
-    assert cost_order(fwd)[0] == 0
+    assert [b for b, _ in cta_items(cost_order(fwd), 4, 32)[:4]] == [0, 0, 0, 0]  # every head's global rows first
     _, bwd = fa4_block_sparsity(window, 128, 128)
-    assert cost_order(bwd)[0] == 0
+    assert [b for b, _ in cta_items(cost_order(bwd), 4, 32)[:4]] == [0, 0, 0, 0]
     causal_fwd, _ = fa4_block_sparsity(masks.causal(n), 128, 128)
-    assert cost_order(causal_fwd).tolist() == list(range(7, -1, -1))  # the last rows are the heaviest
-    both, _ = fa4_block_sparsity(masks.stack([masks.causal(n), glob]), 128, 128)
-    cost = (both.full_block_cnt + both.mask_block_cnt).sum((0, 1))
-    assert cost[cost_order(both)].tolist() == sorted(cost.tolist(), reverse=True)
+    assert cta_items(cost_order(causal_fwd), 1, 32)[0] == (31, 0)
