@@ -55,8 +55,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 stage=${1:-}
 shift || true
-case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost|cpall|dpo|next|issue21|sched|hostprof) ;; *)
-  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost|cpall|dpo|next|issue21|sched|hostprof" >&2; exit 2 ;; esac
+case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost|cpall|dpo|next|issue21|sched|schedab|hostprof) ;; *)
+  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost|cpall|dpo|next|issue21|sched|schedab|hostprof" >&2; exit 2 ;; esac
 if [ "$stage" = pack ]; then  # on this machine, not the GPU one
   tmp=$(mktemp -d); tar xJf .fa4big/libs_cu13.tar.xz -C "$tmp"
   for w in .fa4/*.whl; do python3 -m zipfile -e "$w" "$tmp"; done
@@ -178,6 +178,10 @@ case "$stage" in
       --masks ${MASKS:-global_window window_sinks sliding dpo prefix} --impls ${IMPLS:-cute cute_lpt flex_flash} --quick \
       --extra-dims-at 0 --long --out "$OUT" --tag kernel_h200_cost_order${TAG:-} 2>&1 \
       | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/kernel_cost_order.log" | grep "impl=" || true ;;
+  schedab)  # the CuTe schedules against each other (decoding cost, order direction, cost order)
+    fa4
+    timeout ${AB_TIMEOUT:-300} python3 launch/bench/schedule_ab.py --n ${NS:-65536} --masks ${MASKS:-window_sinks} \
+      --out "$OUT" 2>&1 | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/schedule_ab.log" | tail -20 || true ;;
   hostprof)
     fa4
     timeout ${COST_TIMEOUT:-300} python3 launch/bench/cp_layer_cost.py --out "$OUT/hostprof" --ns 131072 --ps 8 \

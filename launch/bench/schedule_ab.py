@@ -1,0 +1,98 @@
+"""The CuTe backend's CTA schedules against each other on one mask, in one process (H200).
+
+    python launch/bench/schedule_ab.py --n 65536 --masks window_sinks
+
+What the schedule costs and brings, separated: FA4's grid order and its reversed (LPT) forward, both
+without any decoding in the kernel; the cost-ordered scheduler (``CostOrderScheduler``) given the
+*same* sequences as those two (one bucket, blocks ascending / descending), so the difference to them
+is the scheduler's own per-CTA decoding; and the cost order as shipped (buckets of visited tiles,
+heaviest first). Each variant runs on a fresh mask object (the order is cached on the mask).
+Prints one row per variant (forward and forward + backward, median and min / max of the repeats)
+and writes schedule_ab.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from fm_parallel import flashmask_attention  # noqa: E402
+from fm_parallel.kernels.fa4_sparsity import ORDER_BUCKETS  # noqa: E402
+from launch.bench.kernel import MASKS, build, measure, without_structure  # noqa: E402
+
+
+def one_bucket(descending: bool):
+    """A ``cost_order`` stand-in: every block in one bucket, in block order (FA4's grid order for the
+    forward and backward alike) or reversed (the LPT forward's order within a head)."""
+
+    def order(lists):
+        blocks = lists.full_block_cnt.shape[-1]
+        seq = torch.arange(blocks, device=lists.full_block_cnt.device)
+        seq = seq.flip(0) if descending else seq
+        starts = torch.full((ORDER_BUCKETS + 1,), blocks, dtype=torch.long, device=seq.device)
+        starts[0] = 0
+        return torch.cat([seq, starts]).to(torch.int32)
+
+    return order
+
+
+VARIANTS = {  # label -> (schedule, cost_order stand-in or None)
+    "grid": ("grid", None),
+    "reversed (LPT fwd)": ("reversed", None),
+    "decoded grid sequence": ("cost", one_bucket(False)),
+    "decoded reversed sequence": ("cost", one_bucket(True)),
+    "cost order (shipped)": ("cost", None),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=65536)
+    parser.add_argument("--masks", nargs="+", default=["window_sinks"], choices=MASKS)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
+    args = parser.parse_args()
+    from fm_parallel.kernels import cute_fa4_patches, cute_flashmask
+
+    shipped_order, shipped_options = cute_flashmask.cost_order, cute_flashmask.OPTIONS
+    rows = []
+    d = 128
+    for name in args.masks:
+        fm = build(name, args.n)[0].to("cuda")
+        pairs = int(fm.visible_pairs().sum())
+        q, k, v = (torch.randn(1, args.heads, args.n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        do = torch.randn_like(q)
+        for label, (schedule, order) in VARIANTS.items():
+            mask = without_structure(fm)  # its own cache: the order of this variant only
+
+            def call(mask=mask, schedule=schedule, order=order):
+                cute_flashmask.OPTIONS = cute_fa4_patches.Options(True, schedule)
+                cute_flashmask.cost_order = order or shipped_order
+                try:
+                    return flashmask_attention(q, k, v, mask=mask, impl="cute")
+                finally:
+                    cute_flashmask.OPTIONS, cute_flashmask.cost_order = shipped_options, shipped_order
+
+            row = dict(mask=name, n=args.n, variant=label, **measure(label, call, q, k, v, do, pairs, args.heads, d, False))
+            rows.append(row)
+            print(f"{name:14s} {args.n:7d} {label:28s} fwd {row.get('fwd_ms', float('nan')):.3f} ms "
+                  f"({row.get('fwd_ms_min', float('nan')):.3f}-{row.get('fwd_ms_max', float('nan')):.3f})  fwd+bwd "
+                  f"{row.get('fwdbwd_ms', float('nan')):.3f} ms ({row.get('fwdbwd_ms_min', float('nan')):.3f}-"
+                  f"{row.get('fwdbwd_ms_max', float('nan')):.3f}) {row.get('error', '')}", flush=True)
+    meta = {"command": "python launch/bench/schedule_ab.py " + " ".join(sys.argv[1:]),
+            "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "schedule_ab.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
