@@ -75,7 +75,7 @@ def _sparsity(mask: FlashMask, positions: torch.Tensor, num_heads: int, head_dim
     """FA4's (forward, backward) block-sparse tensors and, for the cost-ordered schedule (the default
     :data:`OPTIONS`), each pass's CTA order (``None`` otherwise); cached on the mask for consecutive rows."""
     block_q, block_k = fa4_tile_shape(head_dim)
-    ordered = OPTIONS.schedule == "cost"
+    ordered = OPTIONS.schedule == "cost" and cute_fa4_patches.install()  # unpatched FA4 would not read it
 
     def finish(fwd, bwd):
         orders = (cost_order(fwd), cost_order(bwd)) if ordered else (None, None)

@@ -46,8 +46,9 @@ def flashmask_mask_mod(batch_broadcast: bool, q_per_mask_head: int, intervals: i
     (``explicit_rows``) or equal to the local query index (bounds packed with the row offset).
 
     The function is registered with :mod:`.cute_fa4_patches`: where ``options`` ask for it (default),
-    FA4 kernels traced with it mask column-first and schedule the forward heaviest-first; the
-    per-score body below is what FA4 runs otherwise (PackGQA, or FA4 not the pinned version)."""
+    FA4 kernels traced with it mask column-first and run their CTAs heaviest first (both passes); the
+    per-score body below is what FA4 runs otherwise (PackGQA where the packed heads do not share a
+    mask head, or FA4 not the pinned version)."""
     if not 1 <= intervals <= 4:
         raise ValueError(f"intervals: expected 1..4 per column, got {intervals}")
     if q_per_mask_head < 1:

@@ -73,16 +73,15 @@ def main() -> None:
         do = torch.randn_like(q)
         for label, (schedule, order) in VARIANTS.items():
             mask = without_structure(fm)  # its own cache: the order of this variant only
-
-            def call(mask=mask, schedule=schedule, order=order):
-                cute_flashmask.OPTIONS = cute_fa4_patches.Options(True, schedule)
-                cute_flashmask.cost_order = order or shipped_order
-                try:
-                    return flashmask_attention(q, k, v, mask=mask, impl="cute")
-                finally:
-                    cute_flashmask.OPTIONS, cute_flashmask.cost_order = shipped_options, shipped_order
-
-            row = dict(mask=name, n=args.n, variant=label, **measure(label, call, q, k, v, do, pairs, args.heads, d, False))
+            # set for the whole variant: the backward reads them when autograd runs it, after the forward
+            cute_flashmask.OPTIONS = cute_fa4_patches.Options(True, schedule)
+            cute_flashmask.cost_order = order or shipped_order
+            try:
+                call = lambda mask=mask: flashmask_attention(q, k, v, mask=mask, impl="cute")  # noqa: E731
+                row = dict(mask=name, n=args.n, variant=label,
+                           **measure(label, call, q, k, v, do, pairs, args.heads, d, False))
+            finally:
+                cute_flashmask.OPTIONS, cute_flashmask.cost_order = shipped_options, shipped_order
             rows.append(row)
             print(f"{name:14s} {args.n:7d} {label:28s} fwd {row.get('fwd_ms', float('nan')):.3f} ms "
                   f"({row.get('fwd_ms_min', float('nan')):.3f}-{row.get('fwd_ms_max', float('nan')):.3f})  fwd+bwd "
