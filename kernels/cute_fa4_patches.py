@@ -175,7 +175,7 @@ class CostOrderScheduler:
     ``rep`` of the kernel's blocks (64-row forward tiles or PackGQA's packed rows under 128-row
     lists; else 1). The order names list blocks only, so it holds whatever heads the kernel packs.
     Blocks past the kernel's count (a ragged last list block split) are CTAs with nothing to do.
-    :func:`.fa4_sparsity.cta_items` is this decoding in Python."""
+    :func:`.fa4_sparsity.launch_items` is this decoding in Python."""
 
     @dataclass
     class Params(ParamsBase):

@@ -26,9 +26,9 @@ import torch
 from fm_parallel.masks.blocks import TileClass
 from fm_parallel.masks.flashmask import FlashMask
 
-from .plan import _classes, consecutive_ranges, packed_ranges
+from .plan import ORDER_BUCKETS, _classes, consecutive_ranges, launch_items, launch_order, packed_ranges
 
-__all__ = ["FA4BlockSparsity", "ORDER_BUCKETS", "cost_order", "cta_items", "fa4_block_sparsity", "fa4_block_sparsity_consecutive", "fa4_tile_shape",
+__all__ = ["FA4BlockSparsity", "ORDER_BUCKETS", "cost_order", "launch_items", "fa4_block_sparsity", "fa4_block_sparsity_consecutive", "fa4_tile_shape",
            "pack_bounds"]
 
 
@@ -104,53 +104,13 @@ class FA4BlockSparsity:
         return out
 
 
-# Cost buckets of the CTA order (powers of two of the tiles a block visits): 2^24 tiles is far past any
-# sequence a GPU holds. Shared with the kernel side (cute_fa4_patches.CostOrderScheduler).
-ORDER_BUCKETS = 24
-
-
 def cost_order(lists: FA4BlockSparsity) -> torch.Tensor:
-    """The order in which FA4's CTAs run one pass's blocks: int32 ``[T + ORDER_BUCKETS + 1]``.
-
-    The outer blocks (query blocks; key blocks when ``transposed``) go in buckets by the tiles they
-    visit per head (full + partial, from ``lists``): bucket ``floor(log2(tiles))``, the heaviest
-    bucket first. Within a bucket the kernel runs every (head, batch) entry in turn, each over the
-    bucket's blocks heaviest first. So heavy blocks (global rows, attention sinks, the last rows of
-    causal-like masks) start early and cannot leave the GPU waiting at the end, while the CTAs in
-    flight stay within one or two heads, whose keys / queries (and dQ accumulators) the L2 then
-    holds, as in FA4's grid order. Layout: ``[:T]`` the blocks in bucket order, heaviest first
-    within a bucket, ties in block order; ``[T + r]`` the index in that list where bucket rank ``r``
-    starts (rank 0 the heaviest bucket; ``[T + ORDER_BUCKETS] = T``). :func:`cta_items` decodes it
-    as :class:`.cute_fa4_patches.CostOrderScheduler` does in the kernel."""
-    cost = (lists.full_block_cnt + lists.mask_block_cnt).sum((0, 1))  # [T]
-    per_head = cost.double() / (lists.full_block_cnt.shape[0] * lists.full_block_cnt.shape[1])
-    bucket = torch.floor(torch.log2(per_head.clamp_min(1))).long().clamp_max(ORDER_BUCKETS - 1)
-    rank = (ORDER_BUCKETS - 1) - bucket
-    by_cost = torch.argsort(cost, descending=True, stable=True)
-    order = by_cost[torch.argsort(rank[by_cost], stable=True)]
-    starts = torch.zeros(ORDER_BUCKETS + 1, dtype=torch.long, device=cost.device)
-    starts[1:] = torch.bincount(rank, minlength=ORDER_BUCKETS).cumsum(0)
-    return torch.cat([order, starts]).to(torch.int32)
-
-
-def cta_items(order: torch.Tensor, entries: int, num_block: int, rep: int = 1) -> list[tuple[int, int]]:
-    """(kernel block, head-batch entry) of each CTA in launch order, or (-1, -1) for a CTA with no
-    work: the decoding of :func:`cost_order` that the kernel's scheduler does, in Python (for tests
-    and the schedule model). ``entries``: heads * batch of the kernel; ``rep``: kernel blocks per list
-    block; ``num_block``: the kernel's blocks per entry."""
-    order = order.tolist()
-    blocks = len(order) - ORDER_BUCKETS - 1
-    starts = order[blocks:]
-    group = entries * rep
-    out = []
-    for cta in range(blocks * group):
-        k = max(j for j in range(ORDER_BUCKETS) if cta >= starts[j] * group)
-        start, width = starts[k], starts[k + 1] - starts[k]
-        entry, rest = divmod(cta - start * group, width * rep)
-        r, sub = divmod(rest, rep)
-        block = order[start + r] * rep + sub
-        out.append((block, entry) if block < num_block else (-1, -1))
-    return out
+    """The order in which FA4's CTAs run one pass's outer blocks (query blocks; key blocks when
+    ``transposed``): :func:`.plan.launch_order` of the tiles each visits (full + partial, summed over
+    the lists' batch and heads), the order the Triton plans use too. Read by
+    :class:`.cute_fa4_patches.CostOrderScheduler` from the last auxiliary tensor."""
+    cost = lists.full_block_cnt + lists.mask_block_cnt  # [B, H, T]
+    return launch_order(cost.sum((0, 1)), cost.shape[0] * cost.shape[1])
 
 
 def _check_tile_shape(block_q: int, block_k: int) -> None:

@@ -40,7 +40,7 @@ class BlockSparsePlan:
     full_runs: torch.Tensor
     part_offsets: torch.Tensor
     part_runs: torch.Tensor
-    order: torch.Tensor  # [T_outer] int32: outer blocks by decreasing work, the launch order
+    order: torch.Tensor  # [T_outer + ORDER_BUCKETS + 1] int32: the launch order (launch_order)
 
     @property
     def tiles(self) -> tuple[int, int]:
@@ -71,6 +71,57 @@ def _classes(mask: FlashMask, positions: torch.Tensor, block_m: int, block_n: in
     return cls.flatten(0, 1)
 
 
+# Cost buckets of the launch order (powers of two of the tiles a block visits): 2^24 tiles is far past
+# any sequence a GPU holds. The kernels' decoders loop over them (triton_kernels._program_ids,
+# cute_fa4_patches.CostOrderScheduler).
+ORDER_BUCKETS = 24
+
+
+def launch_order(work: torch.Tensor, rows: int = 1) -> torch.Tensor:
+    """The order in which a pass's programs (Triton) or CTAs (FA4) run, heaviest first: int32
+    ``[T + ORDER_BUCKETS + 1]`` from ``work [T]``, the tiles each outer block visits summed over the
+    plan's ``rows`` mask rows (batch x heads).
+
+    The outer blocks go in buckets by the tiles they visit per row (bucket ``floor(log2(tiles))``),
+    the heaviest bucket first; within a bucket the kernel runs every (batch, head) entry in turn, each
+    over the bucket's blocks heaviest first (ties in block order). So heavy blocks (global rows,
+    attention sinks, the last rows of causal-like masks) start early and cannot leave the GPU waiting
+    at the end (one block per head in grid order can start at 15/16 of the kernel), while the
+    programs in flight stay within one or two heads, whose K / V (forward) or Q / dO (backward) the
+    L2 then holds. Layout: ``[:T]`` the blocks in launch order; ``[T + r]`` where bucket rank ``r``
+    starts in it (rank 0 the heaviest bucket; ``[T + ORDER_BUCKETS] = T``). :func:`launch_items`
+    decodes it as the kernels do."""
+    per_row = work.double() / max(rows, 1)
+    bucket = torch.floor(torch.log2(per_row.clamp_min(1))).long().clamp_max(ORDER_BUCKETS - 1)
+    rank = (ORDER_BUCKETS - 1) - bucket
+    by_work = torch.argsort(work, descending=True, stable=True)
+    order = by_work[torch.argsort(rank[by_work], stable=True)]
+    # where each rank starts: blocks of a lower rank (a comparison, not bincount: deterministic on CUDA)
+    starts = (rank.unsqueeze(0) < torch.arange(ORDER_BUCKETS + 1, device=work.device).unsqueeze(1)).sum(1)
+    return torch.cat([order, starts]).to(torch.int32)
+
+
+def launch_items(order: torch.Tensor, entries: int, num_block: int | None = None, rep: int = 1) -> list[tuple[int, int]]:
+    """(kernel block, batch x head entry) run by each program / CTA in launch order, or (-1, -1) for
+    one with no work: :func:`launch_order` decoded as the kernels decode it, in Python (tests, the
+    schedule model). ``entries``: the kernel's batch x heads; ``rep``: kernel blocks per outer block
+    (FA4's forward under PackGQA or 64-row tiles); ``num_block``: the kernel's blocks per entry."""
+    order = order.tolist()
+    blocks = len(order) - ORDER_BUCKETS - 1
+    num_block = blocks * rep if num_block is None else num_block
+    starts = order[blocks:]
+    group = entries * rep
+    out = []
+    for cta in range(blocks * group):
+        k = max(j for j in range(ORDER_BUCKETS) if cta >= starts[j] * group)
+        first, width = starts[k], starts[k + 1] - starts[k]
+        entry, rest = divmod(cta - first * group, width * rep)
+        r, sub = divmod(rest, rep)
+        block = order[first + r] * rep + sub
+        out.append((block, entry) if block < num_block else (-1, -1))
+    return out
+
+
 def _layout(cls: torch.Tensor, block_m: int, block_n: int, transposed: bool) -> BlockSparsePlan:
     if transposed:
         cls = cls.transpose(1, 2)
@@ -78,10 +129,10 @@ def _layout(cls: torch.Tensor, block_m: int, block_n: int, transposed: bool) -> 
     cls = cls.reshape(-1, cls.shape[2])
     full_offsets, full_runs = _runs(cls == TileClass.FULL)
     part_offsets, part_runs = _runs(cls == TileClass.PARTIAL)
-    # Programs start in grid order: launching the busiest blocks first keeps a long one (the last
-    # rows of a causal mask, rows that see a whole sequence) from running alone at the end.
-    work = (cls != TileClass.SKIP).view(-1, num_outer, cls.shape[1]).sum((0, 2))
-    order = torch.argsort(work, descending=True, stable=True).to(torch.int32)
+    # Heaviest blocks first, bucket by bucket (launch_order): a long one (the last rows of a causal
+    # mask, rows that see a whole sequence, the key block of attention sinks) never runs alone at the end.
+    visited = (cls != TileClass.SKIP).view(-1, num_outer, cls.shape[1])
+    order = launch_order(visited.sum((0, 2)), visited.shape[0])
     return BlockSparsePlan(block_m, block_n, transposed, num_outer, full_offsets, full_runs, part_offsets, part_runs, order)
 
 
@@ -252,6 +303,6 @@ def build_plans_consecutive(mask: FlashMask, row_offset: int, num_rows: int, blo
         for row, start, end in (_per_key_block(ranges, tq) if transposed else _per_query_block(ranges, tq, tk)):
             parts.append((_offsets(row, rows_total * outer), torch.stack([start, end], 1).to(torch.int32).contiguous()))
             work.index_add_(0, row % outer, end - start)
-        order = torch.argsort(work, descending=True, stable=True).to(torch.int32)
+        order = launch_order(work, rows_total)
         plans.append(BlockSparsePlan(block_m, block_n, transposed, outer, parts[0][0], parts[0][1], parts[1][0], parts[1][1], order))
     return plans[0], plans[1]

@@ -109,7 +109,7 @@ def flashmask_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: floa
     out = torch.empty(*q.shape[:3], v.shape[-1], dtype=_buffer_dtype(q.dtype), device=q.device)
     lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)
     pos = positions.to(torch.int32)
-    grid = (plan.num_outer, b * hq)
+    grid = (plan.num_outer * b * hq,)  # one program per (block, batch x head), in the plan's launch order
     flashmask_fwd_kernel[grid](
         q, k, v, out, lse, mask.fms, mask.fme, pos, *_plan_args(plan),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
@@ -138,7 +138,7 @@ def bwd_kv(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offse
     dv = torch.empty_like(v, dtype=_buffer_dtype(v.dtype))
     cfg = config_for("bwd_kv", d)
     plan = _plan(mask, positions, cfg, True, q_offset)
-    flashmask_bwd_kv_kernel[(plan.num_outer, b * hkv)](
+    flashmask_bwd_kv_kernel[(plan.num_outer * b * hkv,)](
         q, k, v, dout, lse, delta, dk, dv, mask.fms, mask.fme,
         positions.to(torch.int32), *_plan_args(plan),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
@@ -157,7 +157,7 @@ def bwd_q(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset
     dq = torch.empty_like(q, dtype=_buffer_dtype(q.dtype))
     cfg = config_for("bwd_q", d)
     plan = _plan(mask, positions, cfg, False, q_offset)
-    flashmask_bwd_q_kernel[(plan.num_outer, b * hq)](
+    flashmask_bwd_q_kernel[(plan.num_outer * b * hq,)](
         q, k, v, dout, lse, delta, dq, mask.fms, mask.fme, positions.to(torch.int32), *_plan_args(plan),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
         *dq.stride()[:3], mask.fms.stride(0), mask.fms.stride(1),

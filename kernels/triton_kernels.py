@@ -12,6 +12,10 @@ Pointer names: ``p_*`` are pointers, ``b_*`` are blocks in registers.
 import triton
 import triton.language as tl
 
+from .plan import ORDER_BUCKETS as _ORDER_BUCKETS
+
+ORDER_BUCKETS = tl.constexpr(_ORDER_BUCKETS)  # the launch order's buckets (plan.launch_order)
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -64,11 +68,22 @@ def _fwd_tile(
 
 
 @triton.jit
-def _program_ids(ORDER, WIDE: tl.constexpr):
-    """This program's block (``ORDER``: the plan's busiest-first order) and its batch x head index,
-    widened to 64 bits when some tensor spans 2^31 elements or more (e.g. 32 heads x 1M tokens x 128)."""
-    block = tl.load(ORDER + tl.program_id(0))
-    pid_bh = tl.program_id(1)
+def _program_ids(ORDER, num_outer, WIDE: tl.constexpr):
+    """This program's outer block and its batch x head entry, from the plan's launch order
+    (``plan.launch_order``: buckets of visited tiles, heaviest first, each bucket entry by entry; the
+    grid is one-dimensional, ``num_outer`` x entries programs). ``plan.launch_items`` is this decoding
+    in Python. Widened to 64 bits when some tensor spans 2^31 elements or more (e.g. 32 heads x 1M
+    tokens x 128)."""
+    program = tl.program_id(0)
+    entries = tl.num_programs(0) // num_outer
+    bucket = 0
+    for r in tl.static_range(1, ORDER_BUCKETS):  # the last bucket starting at or before this program
+        bucket = tl.where(program >= tl.load(ORDER + num_outer + r) * entries, r, bucket)
+    first = tl.load(ORDER + num_outer + bucket)
+    width = tl.load(ORDER + num_outer + bucket + 1) - first  # > 0: this program lies in the bucket
+    local = program - first * entries
+    pid_bh = local // width
+    block = tl.load(ORDER + first + local - pid_bh * width)
     if WIDE:
         block = block.to(tl.int64)
         pid_bh = pid_bh.to(tl.int64)
@@ -78,9 +93,9 @@ def _program_ids(ORDER, WIDE: tl.constexpr):
 @triton.jit
 def _query_program(ORDER, Hq, Hm, Bm, num_q_blocks, q_per_kv, q_per_mask_head, WIDE: tl.constexpr):
     """Who this program of a per-query-block pass (forward, dQ) is: its query block ``pid_m`` (plan
-    order: busiest first), ``pid_bh`` = batch x query head, the batch ``b``, query head ``h``, K/V head
+    launch order), ``pid_bh`` = batch x query head, the batch ``b``, query head ``h``, K/V head
     ``kvh``, mask batch row ``mb`` and mask head ``mh``, and its ``row`` in the launch plan."""
-    pid_m, pid_bh = _program_ids(ORDER, WIDE)
+    pid_m, pid_bh = _program_ids(ORDER, num_q_blocks, WIDE)
     b = pid_bh // Hq
     h = pid_bh % Hq
     mb = b % Bm
@@ -192,7 +207,7 @@ def flashmask_bwd_kv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     WIDE: tl.constexpr,
 ):
-    pid_n, pid_bh = _program_ids(ORDER, WIDE)
+    pid_n, pid_bh = _program_ids(ORDER, num_k_blocks, WIDE)
     b = pid_bh // Hkv
     kvh = pid_bh % Hkv
     mb = b % Bm

@@ -178,7 +178,7 @@ def plans_from_ranges(ranges: torch.Tensor, tq: int, block_m: int, block_n: int)
             the ragged-last-key-block rule already applied (its cover range empty).
         tq: number of query blocks.
     """
-    from fm_parallel.kernels.plan import BlockSparsePlan
+    from fm_parallel.kernels.plan import BlockSparsePlan, launch_order
 
     if ranges.dim() != 3 or ranges.shape[1] % 4 or ranges.dtype != torch.int32:
         raise ValueError(f"ranges: expected [R, 4 * M, T_k] int32, got {list(ranges.shape)} {ranges.dtype}")
@@ -206,8 +206,7 @@ def plans_from_ranges(ranges: torch.Tensor, tq: int, block_m: int, block_n: int)
         if outer and (n_full or n_part):
             _plan_kernel[(outer, num_rows)](ranges, bound, None, None, offs[0], full_runs, offs[1], part_runs, tq, tk, num_rows,
                                             M=fields // 4, TRANSPOSED=transposed, WRITE=True, CHUNK=_CHUNK)
-        # Busiest outer blocks launch first (see plan._layout); stable, so ties keep block order.
-        order = torch.argsort(work.sum(0), descending=True, stable=True).to(torch.int32)
+        order = launch_order(work.sum(0), num_rows)  # heaviest first, bucket by bucket (plan._layout)
         plans.append(BlockSparsePlan(block_m, block_n, transposed, outer, offs[0].contiguous(), full_runs,
                                      offs[1].contiguous(), part_runs, order))
     return plans[0], plans[1]

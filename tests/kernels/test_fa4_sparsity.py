@@ -187,7 +187,7 @@ def test_cost_order_runs_every_block_of_every_head_once_heavy_buckets_first(fami
     """The CTA order of the cost-ordered schedule, decoded as the kernel does: every (kernel block,
     head-batch entry) exactly once; buckets of visited tiles (from the dense picture) never lighter
     before heavier; within a bucket one entry after the other, its blocks heaviest first."""
-    from fm_parallel.kernels.fa4_sparsity import cost_order, cta_items
+    from fm_parallel.kernels.fa4_sparsity import cost_order, launch_items
 
     m = FAMILIES[family]
     fwd, bwd = fa4_block_sparsity(m, 16, 8)
@@ -196,7 +196,7 @@ def test_cost_order_runs_every_block_of_every_head_once_heavy_buckets_first(fami
     for lists, visited in ((fwd, (want != TileClass.SKIP).sum((0, 1, 3))), (bwd, (want != TileClass.SKIP).sum((0, 1, 2)))):
         blocks = len(visited)
         num_block = blocks * rep - (rep > 1)  # a ragged last list block: its second half is no kernel block
-        items = cta_items(cost_order(lists), entries, num_block, rep)
+        items = launch_items(cost_order(lists), entries, num_block, rep)
         assert len(items) == blocks * entries * rep
         real = [it for it in items if it != (-1, -1)]
         assert sorted(real) == [(b, e) for b in range(num_block) for e in range(entries)]
@@ -212,14 +212,14 @@ def test_cost_order_runs_every_block_of_every_head_once_heavy_buckets_first(fami
 def test_cost_order_puts_the_heavy_blocks_of_global_rows_and_sinks_first():
     """Global rows (query block 0 reads every key) lead the forward; attention sinks (key block 0 is
     read by every row) lead the backward; the last rows of a causal mask lead its forward."""
-    from fm_parallel.kernels.fa4_sparsity import cost_order, cta_items
+    from fm_parallel.kernels.fa4_sparsity import cost_order, launch_items
 
     n = 4096
     window = masks.sliding_window(n, 128, sinks=4)
     glob = masks.union(window, FlashMask(torch.zeros(n, dtype=torch.int32), torch.full((n,), 3, dtype=torch.int32)))
     fwd, _ = fa4_block_sparsity(glob, 128, 128)
-    assert [b for b, _ in cta_items(cost_order(fwd), 4, 32)[:4]] == [0, 0, 0, 0]  # every head's global rows first
+    assert [b for b, _ in launch_items(cost_order(fwd), 4, 32)[:4]] == [0, 0, 0, 0]  # every head's global rows first
     _, bwd = fa4_block_sparsity(window, 128, 128)
-    assert [b for b, _ in cta_items(cost_order(bwd), 4, 32)[:4]] == [0, 0, 0, 0]
+    assert [b for b, _ in launch_items(cost_order(bwd), 4, 32)[:4]] == [0, 0, 0, 0]
     causal_fwd, _ = fa4_block_sparsity(masks.causal(n), 128, 128)
-    assert cta_items(cost_order(causal_fwd), 1, 32)[0] == (31, 0)
+    assert launch_items(cost_order(causal_fwd), 1, 32)[0] == (31, 0)
