@@ -38,6 +38,9 @@
 #   bash launch/bench/h200_session.sh sched    # carry [".fa4one", ".fa4extra"]: the cost-ordered CuTe schedule:
 #                                              # verify_gpu (cute), then cute / cute_lpt / Flex-FLASH at NS (16k)
 #                                              # on MASKS (global_window window_sinks sliding dpo prefix)
+#   AB_IMPL=triton NS=16384 MASKS="sliding window_sinks global_window dpo docs" bash launch/bench/h200_session.sh schedab
+#                                              # carry [".fa4one", ".fa4extra"]: Triton's order before the launch
+#                                              # order vs the shipped one (schedule_ab.py; AB_IMPL=cute: the CuTe A/B)
 #   bash launch/bench/h200_session.sh hostprof # carry [".fa4one", ".fa4extra"]: where a CP layer's host time goes at
 #                                              # P = 8 (cProfile of rank 0, docs and sliding + sinks, 128k, zigzag)
 #   NS="16384 65536" bash launch/bench/h200_session.sh costs   # carry [".fa4one"]: partial vs full tile cost
@@ -180,8 +183,8 @@ case "$stage" in
       | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/kernel_cost_order.log" | grep "impl=" || true ;;
   schedab)  # the CuTe schedules against each other (decoding cost, order direction, cost order)
     fa4
-    timeout ${AB_TIMEOUT:-300} python3 launch/bench/schedule_ab.py --n ${NS:-65536} --masks ${MASKS:-window_sinks} \
-      --out "$OUT" 2>&1 | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/schedule_ab.log" | tail -20 || true ;;
+    timeout ${AB_TIMEOUT:-300} python3 launch/bench/schedule_ab.py --impl ${AB_IMPL:-cute} --n ${NS:-65536} \
+      --masks ${MASKS:-window_sinks} --out "$OUT" 2>&1 | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/schedule_ab.log" | tail -20 || true ;;
   hostprof)
     fa4
     timeout ${COST_TIMEOUT:-300} python3 launch/bench/cp_layer_cost.py --out "$OUT/hostprof" --ns 131072 --ps 8 \

@@ -1,12 +1,16 @@
-"""The CuTe backend's CTA schedules against each other on one mask, in one process (H200).
+"""The launch orders of the CuTe and Triton backends against each other on one mask, one process (H200).
 
-    python launch/bench/schedule_ab.py --n 65536 --masks window_sinks
+    python launch/bench/schedule_ab.py --n 65536 --masks window_sinks              # impl cute
+    python launch/bench/schedule_ab.py --impl triton --n 16384 --masks sliding window_sinks global_window
 
 What the schedule costs and brings, separated: FA4's grid order and its reversed (LPT) forward, both
 without any decoding in the kernel; the cost-ordered scheduler (``CostOrderScheduler``) given the
 *same* sequences as those two (one bucket, blocks ascending / descending), so the difference to them
 is the scheduler's own per-CTA decoding; and the cost order as shipped (buckets of visited tiles,
-heaviest first). Each variant runs on a fresh mask object (the order is cached on the mask).
+heaviest first). ``--impl triton``: the Triton kernels' order before the launch order (each head's
+blocks busiest first, head after head: one bucket sorted by work) against the shipped launch order,
+the same kernels decoding both. Each variant runs on a fresh mask object (orders and plans are cached
+on the mask).
 Prints one row per variant (forward and forward + backward, median and min / max of the repeats)
 and writes schedule_ab.json under --out.
 """
@@ -25,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from fm_parallel import flashmask_attention  # noqa: E402
-from fm_parallel.kernels.fa4_sparsity import ORDER_BUCKETS  # noqa: E402
+from fm_parallel.kernels import plan  # noqa: E402
+from fm_parallel.kernels.plan import ORDER_BUCKETS  # noqa: E402
 from launch.bench.kernel import MASKS, build, measure, without_structure  # noqa: E402
 
 
@@ -36,12 +41,21 @@ def one_bucket(descending: bool):
     def order(lists):
         blocks = lists.full_block_cnt.shape[-1]
         seq = torch.arange(blocks, device=lists.full_block_cnt.device)
-        seq = seq.flip(0) if descending else seq
-        starts = torch.full((ORDER_BUCKETS + 1,), blocks, dtype=torch.long, device=seq.device)
-        starts[0] = 0
-        return torch.cat([seq, starts]).to(torch.int32)
+        return _with_one_bucket(seq.flip(0) if descending else seq)
 
     return order
+
+
+def _with_one_bucket(seq: torch.Tensor) -> torch.Tensor:
+    blocks = seq.numel()
+    starts = torch.full((ORDER_BUCKETS + 1,), blocks, dtype=torch.long, device=seq.device)
+    starts[0] = 0
+    return torch.cat([seq.long(), starts]).to(torch.int32)
+
+
+def busiest_first_per_head(work: torch.Tensor, rows: int = 1) -> torch.Tensor:
+    """A ``plan.launch_order`` stand-in: the Triton order before it (one bucket, blocks by work)."""
+    return _with_one_bucket(torch.argsort(work, descending=True, stable=True))
 
 
 VARIANTS = {  # label -> (schedule, cost_order stand-in or None)
@@ -51,15 +65,22 @@ VARIANTS = {  # label -> (schedule, cost_order stand-in or None)
     "decoded reversed sequence": ("cost", one_bucket(True)),
     "cost order (shipped)": ("cost", None),
 }
+TRITON_VARIANTS = {  # label -> plan.launch_order stand-in or None
+    "head by head, busiest first (before)": busiest_first_per_head,
+    "launch order (shipped)": None,
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=65536)
     parser.add_argument("--masks", nargs="+", default=["window_sinks"], choices=MASKS)
+    parser.add_argument("--impl", choices=["cute", "triton"], default="cute")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
+    if args.impl == "triton":
+        return run_triton(args)
     from fm_parallel.kernels import cute_fa4_patches, cute_flashmask
 
     shipped_order, shipped_options = cute_flashmask.cost_order, cute_flashmask.OPTIONS
@@ -83,14 +104,46 @@ def main() -> None:
             finally:
                 cute_flashmask.OPTIONS, cute_flashmask.cost_order = shipped_options, shipped_order
             rows.append(row)
-            print(f"{name:14s} {args.n:7d} {label:28s} fwd {row.get('fwd_ms', float('nan')):.3f} ms "
-                  f"({row.get('fwd_ms_min', float('nan')):.3f}-{row.get('fwd_ms_max', float('nan')):.3f})  fwd+bwd "
-                  f"{row.get('fwdbwd_ms', float('nan')):.3f} ms ({row.get('fwdbwd_ms_min', float('nan')):.3f}-"
-                  f"{row.get('fwdbwd_ms_max', float('nan')):.3f}) {row.get('error', '')}", flush=True)
+            report(row)
+    write(args, rows)
+
+
+def report(row: dict) -> None:
+    print(f"{row['mask']:14s} {row['n']:7d} {row['variant']:36s} fwd {row.get('fwd_ms', float('nan')):.3f} ms "
+          f"({row.get('fwd_ms_min', float('nan')):.3f}-{row.get('fwd_ms_max', float('nan')):.3f})  fwd+bwd "
+          f"{row.get('fwdbwd_ms', float('nan')):.3f} ms ({row.get('fwdbwd_ms_min', float('nan')):.3f}-"
+          f"{row.get('fwdbwd_ms_max', float('nan')):.3f}) {row.get('error', '')}", flush=True)
+
+
+def run_triton(args) -> None:
+    """The Triton order before the launch order vs the shipped one, same kernels, one process."""
+    shipped = plan.launch_order
+    rows, d = [], 128
+    for name in args.masks:
+        fm = build(name, args.n)[0].to("cuda")
+        pairs = int(fm.visible_pairs().sum())
+        q, k, v = (torch.randn(1, args.heads, args.n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        do = torch.randn_like(q)
+        for label, order in TRITON_VARIANTS.items():
+            mask = without_structure(fm)  # its own plans: this variant's order only
+            plan.launch_order = order or shipped  # read when the plans are built (forward and backward)
+            try:
+                call = lambda mask=mask: flashmask_attention(q, k, v, mask=mask, impl="triton")  # noqa: E731
+                row = dict(mask=name, n=args.n, variant=label,
+                           **measure(label, call, q, k, v, do, pairs, args.heads, d, False))
+            finally:
+                plan.launch_order = shipped
+            rows.append(row)
+            report(row)
+    write(args, rows)
+
+
+def write(args, rows: list[dict]) -> None:
     meta = {"command": "python launch/bench/schedule_ab.py " + " ".join(sys.argv[1:]),
             "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "schedule_ab.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (args.out / f"schedule_ab_{args.impl}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
