@@ -48,7 +48,7 @@ from cutlass.cute import FastDivmodDivisorV2
 from cutlass.cutlass_dsl import min as dsl_min
 from quack.cute_dsl_utils import ParamsBase
 
-from .fa4_sparsity import ORDER_BUCKETS
+from .plan import ORDER_BUCKETS
 
 __all__ = ["Options", "FlashMaskSpec", "CostOrderScheduler", "install", "register", "traced", "SCHEDULES",
            "SPARSE_BLOCK_Q"]
@@ -175,7 +175,7 @@ class CostOrderScheduler:
     ``rep`` of the kernel's blocks (64-row forward tiles or PackGQA's packed rows under 128-row
     lists; else 1). The order names list blocks only, so it holds whatever heads the kernel packs.
     Blocks past the kernel's count (a ragged last list block split) are CTAs with nothing to do.
-    :func:`.fa4_sparsity.launch_items` is this decoding in Python."""
+    :func:`.plan.launch_items` is this decoding in Python."""
 
     @dataclass
     class Params(ParamsBase):

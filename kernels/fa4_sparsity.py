@@ -26,9 +26,9 @@ import torch
 from fm_parallel.masks.blocks import TileClass
 from fm_parallel.masks.flashmask import FlashMask
 
-from .plan import ORDER_BUCKETS, _classes, consecutive_ranges, launch_items, launch_order, packed_ranges
+from .plan import _classes, consecutive_ranges, launch_order, packed_ranges
 
-__all__ = ["FA4BlockSparsity", "ORDER_BUCKETS", "cost_order", "launch_items", "fa4_block_sparsity", "fa4_block_sparsity_consecutive", "fa4_tile_shape",
+__all__ = ["FA4BlockSparsity", "cost_order", "fa4_block_sparsity", "fa4_block_sparsity_consecutive", "fa4_tile_shape",
            "pack_bounds"]
 
 

@@ -35,7 +35,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from fm_parallel.kernels.fa4_sparsity import cost_order, launch_items, fa4_block_sparsity  # noqa: E402
+from fm_parallel.kernels.fa4_sparsity import cost_order, fa4_block_sparsity  # noqa: E402
+from fm_parallel.kernels.plan import launch_items  # noqa: E402
 from launch.bench.kernel import MASKS, build  # noqa: E402
 
 SMS = 132

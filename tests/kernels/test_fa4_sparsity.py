@@ -187,7 +187,8 @@ def test_cost_order_runs_every_block_of_every_head_once_heavy_buckets_first(fami
     """The CTA order of the cost-ordered schedule, decoded as the kernel does: every (kernel block,
     head-batch entry) exactly once; buckets of visited tiles (from the dense picture) never lighter
     before heavier; within a bucket one entry after the other, its blocks heaviest first."""
-    from fm_parallel.kernels.fa4_sparsity import cost_order, launch_items
+    from fm_parallel.kernels.fa4_sparsity import cost_order
+    from fm_parallel.kernels.plan import launch_items
 
     m = FAMILIES[family]
     fwd, bwd = fa4_block_sparsity(m, 16, 8)
@@ -212,7 +213,8 @@ def test_cost_order_runs_every_block_of_every_head_once_heavy_buckets_first(fami
 def test_cost_order_puts_the_heavy_blocks_of_global_rows_and_sinks_first():
     """Global rows (query block 0 reads every key) lead the forward; attention sinks (key block 0 is
     read by every row) lead the backward; the last rows of a causal mask lead its forward."""
-    from fm_parallel.kernels.fa4_sparsity import cost_order, launch_items
+    from fm_parallel.kernels.fa4_sparsity import cost_order
+    from fm_parallel.kernels.plan import launch_items
 
     n = 4096
     window = masks.sliding_window(n, 128, sinks=4)
