@@ -35,9 +35,10 @@
 #                                              # cute vs Flex-FLASH only (kernel.py with FA4 on the path; a bare
 #                                              # kernel.py call lacks it and skips both), one (mask, N) costs minutes
 #                                              # of compiles: one or two per call
-#   bash launch/bench/h200_session.sh sched    # carry [".fa4one", ".fa4extra"]: the cost-ordered CuTe schedule:
-#                                              # verify_gpu (cute), then cute / cute_lpt / Flex-FLASH at NS (16k)
-#                                              # on MASKS (global_window window_sinks sliding dpo prefix)
+#   bash launch/bench/h200_session.sh sched    # carry [".fa4one", ".fa4extra"]: the launch order (both backends):
+#                                              # verify_gpu (VERIFY_IMPLS: cute triton), then IMPLS (cute / cute_lpt /
+#                                              # Flex-FLASH) at NS (16k) on MASKS (global_window window_sinks sliding
+#                                              # dpo prefix); IMPLS="triton flex" for Triton against Flex
 #   AB_IMPL=triton NS=16384 MASKS="sliding window_sinks global_window dpo docs" bash launch/bench/h200_session.sh schedab
 #                                              # carry [".fa4one", ".fa4extra"]: Triton's order before the launch
 #                                              # order vs the shipped one (schedule_ab.py; AB_IMPL=cute: the CuTe A/B)
@@ -174,7 +175,7 @@ case "$stage" in
     ;;
   sched)  # the cost-ordered schedule: correctness, then cute (cost order) / cute_lpt (before) / Flex-FLASH
     fa4
-    [ "${VERIFY_TIMEOUT:-200}" = 0 ] || { timeout ${VERIFY_TIMEOUT:-200} python3 launch/bench/verify_gpu.py --impls cute \
+    [ "${VERIFY_TIMEOUT:-300}" = 0 ] || { timeout ${VERIFY_TIMEOUT:-300} python3 launch/bench/verify_gpu.py --impls ${VERIFY_IMPLS:-cute triton} \
       --json "$OUT/verify_gpu_h200_cute_cost_order.json" 2>&1 | grep -v "UserWarning\|exe_args\|warnings.warn" \
       | tee "$OUT/verify_cost_order.log" | tail -30 || true; }
     timeout ${KERNEL_TIMEOUT:-360} python3 launch/bench/kernel.py --ns ${NS:-16384} \
