@@ -50,8 +50,7 @@ from quack.cute_dsl_utils import ParamsBase
 
 from .plan import ORDER_BUCKETS
 
-__all__ = ["Options", "FlashMaskSpec", "CostOrderScheduler", "install", "register", "traced", "SCHEDULES",
-           "SPARSE_BLOCK_Q"]
+__all__ = ["SCHEDULES", "SPARSE_BLOCK_Q", "CostOrderScheduler", "FlashMaskSpec", "Options", "install", "register", "traced"]
 
 log = logging.getLogger(__name__)
 
