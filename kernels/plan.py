@@ -94,10 +94,11 @@ def launch_order(work: torch.Tensor, rows: int = 1) -> torch.Tensor:
     per_row = work.double() / max(rows, 1)
     bucket = torch.floor(torch.log2(per_row.clamp_min(1))).long().clamp_max(ORDER_BUCKETS - 1)
     rank = (ORDER_BUCKETS - 1) - bucket
-    by_work = torch.argsort(work, descending=True, stable=True)
-    order = by_work[torch.argsort(rank[by_work], stable=True)]
-    # where each rank starts: blocks of a lower rank (a comparison, not bincount: deterministic on CUDA)
-    starts = (rank.unsqueeze(0) < torch.arange(ORDER_BUCKETS + 1, device=work.device).unsqueeze(1)).sum(1)
+    # one sort, rank ascending then work descending (work < 2^40 tiles; no max taken: no device sync)
+    span = 1 << 40
+    order = torch.argsort(rank * span + (span - 1 - work.long()), stable=True)
+    # where each rank starts in the order (its ranks ascend; searchsorted, not bincount: deterministic on CUDA)
+    starts = torch.searchsorted(rank[order], torch.arange(ORDER_BUCKETS + 1, device=work.device))
     return torch.cat([order, starts]).to(torch.int32)
 
 
