@@ -18,7 +18,7 @@ every other caller trace FA4's untouched code.
    more tiles than the others (the query block of global rows, the key block of attention sinks, the
    last rows of causal-like masks) may then start late and run alone at the end: up to 1.5x the
    kernel's ideal time on windows with sinks or global tokens (launch/bench/schedule_model.py), and
-   measured on the H200: 1.4-1.6x slower backward on sliding windows with sinks. FA4's causal answer,
+   measured on the H200: a 1.36-1.55x slower backward on sliding windows with sinks. FA4's causal answer,
    reversing the query blocks (its LPT scheduler), only helps masks whose heavy blocks are the last
    ones. Here the CTAs run in an order given at run time (:class:`CostOrderScheduler`): blocks in
    buckets of visited tiles, heaviest bucket first, each bucket run head by head
