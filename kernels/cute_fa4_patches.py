@@ -50,7 +50,8 @@ from quack.cute_dsl_utils import ParamsBase
 
 from .plan import ORDER_BUCKETS
 
-__all__ = ["SCHEDULES", "SPARSE_BLOCK_Q", "CostOrderScheduler", "FlashMaskSpec", "Options", "install", "register", "traced"]
+__all__ = ["SCHEDULES", "SPARSE_BLOCK_Q", "CostOrderScheduler", "FlashMaskSpec", "Options", "install", "register",
+           "traced"]
 
 log = logging.getLogger(__name__)
 

@@ -102,7 +102,8 @@ def launch_order(work: torch.Tensor, rows: int = 1) -> torch.Tensor:
     return torch.cat([order, starts]).to(torch.int32)
 
 
-def launch_items(order: torch.Tensor, entries: int, num_block: int | None = None, rep: int = 1) -> list[tuple[int, int]]:
+def launch_items(order: torch.Tensor, entries: int, num_block: int | None = None,
+                 rep: int = 1) -> list[tuple[int, int]]:
     """(kernel block, batch x head entry) run by each program / CTA in launch order, or (-1, -1) for
     one with no work: :func:`launch_order` decoded as the kernels decode it, in Python (tests, the
     schedule model). ``entries``: the kernel's batch x heads; ``rep``: kernel blocks per outer block

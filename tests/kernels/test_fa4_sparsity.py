@@ -196,7 +196,8 @@ def test_cost_order_runs_every_block_of_every_head_once_heavy_buckets_first(fami
     fwd, bwd = fa4_block_sparsity(m, 16, 8)
     want = expected(m, torch.arange(m.num_rows), 16, 8)
     heads = m.batch * m.heads
-    for lists, visited in ((fwd, (want != TileClass.SKIP).sum((0, 1, 3))), (bwd, (want != TileClass.SKIP).sum((0, 1, 2)))):
+    visited_fwd, visited_bwd = (want != TileClass.SKIP).sum((0, 1, 3)), (want != TileClass.SKIP).sum((0, 1, 2))
+    for lists, visited in ((fwd, visited_fwd), (bwd, visited_bwd)):
         blocks = len(visited)
         num_block = blocks * rep - (rep > 1)  # a ragged last list block: its second half is no kernel block
         items = launch_items(cost_order(lists), entries, num_block, rep)
