@@ -71,6 +71,35 @@ TRITON_VARIANTS = {  # label -> plan.launch_order stand-in or None
 }
 
 
+def variants_for(impl: str) -> dict:
+    """label -> install(), which puts the variant in place and returns the restore()."""
+    if impl == "triton":
+        shipped = plan.launch_order
+
+        def triton_variant(order):
+            def install():  # plan.launch_order is read when the plans are built (forward and backward)
+                plan.launch_order = order or shipped
+                return lambda: setattr(plan, "launch_order", shipped)
+            return install
+
+        return {label: triton_variant(order) for label, order in TRITON_VARIANTS.items()}
+    from fm_parallel.kernels import cute_fa4_patches, cute_flashmask
+
+    shipped_order, shipped_options = cute_flashmask.cost_order, cute_flashmask.OPTIONS
+
+    def cute_variant(schedule, order):
+        def install():  # for the whole variant: the backward reads them when autograd runs it
+            cute_flashmask.OPTIONS = cute_fa4_patches.Options(True, schedule)
+            cute_flashmask.cost_order = order or shipped_order
+
+            def restore():
+                cute_flashmask.OPTIONS, cute_flashmask.cost_order = shipped_options, shipped_order
+            return restore
+        return install
+
+    return {label: cute_variant(*spec) for label, spec in VARIANTS.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=65536)
@@ -79,46 +108,11 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
-    if args.impl == "triton":
-        return run_triton(args)
-    from fm_parallel.kernels import cute_fa4_patches, cute_flashmask
-
-    shipped_order, shipped_options = cute_flashmask.cost_order, cute_flashmask.OPTIONS
-    rows = []
-    d = 128
-    for name in args.masks:
-        fm = build(name, args.n)[0].to("cuda")
-        pairs = int(fm.visible_pairs().sum())
-        q, k, v = (torch.randn(1, args.heads, args.n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))
-        do = torch.randn_like(q)
-        for label, (schedule, order) in VARIANTS.items():
-            mask = without_structure(fm)  # its own cache: the order of this variant only
-            # set for the whole variant: the backward reads them when autograd runs it, after the forward
-            cute_flashmask.OPTIONS = cute_fa4_patches.Options(True, schedule)
-            cute_flashmask.cost_order = order or shipped_order
-            try:
-                def call(mask=mask, q=q, k=k, v=v):
-                    return flashmask_attention(q, k, v, mask=mask, impl="cute")
-                row = dict(mask=name, n=args.n, variant=label,
-                           **measure(label, call, q, k, v, do, pairs, args.heads, d, False))
-            finally:
-                cute_flashmask.OPTIONS, cute_flashmask.cost_order = shipped_options, shipped_order
-            rows.append(row)
-            report(row)
-    write(args, rows)
+    write(args, compare(args, variants_for(args.impl)))
 
 
-def report(row: dict) -> None:
-    print(f"{row['mask']:14s} {row['n']:7d} {row['variant']:36s} fwd {row.get('fwd_ms', float('nan')):.3f} ms "
-          f"({row.get('fwd_ms_min', float('nan')):.3f}-{row.get('fwd_ms_max', float('nan')):.3f})  fwd+bwd "
-          f"{row.get('fwdbwd_ms', float('nan')):.3f} ms ({row.get('fwdbwd_ms_min', float('nan')):.3f}-"
-          f"{row.get('fwdbwd_ms_max', float('nan')):.3f}) {row.get('error', '')}", flush=True)
-
-
-def run_triton(args) -> None:
-    """The Triton order before the launch order vs the shipped one, same kernels, one process."""
-    shipped = plan.launch_order
+def compare(args, variants) -> list[dict]:
+    """Every variant on every mask, same inputs; ``variants``: label -> install() returning restore()."""
     rows, d = [], 128
     for name in args.masks:
         fm = build(name, args.n)[0].to("cuda")
@@ -126,19 +120,26 @@ def run_triton(args) -> None:
         q, k, v = (torch.randn(1, args.heads, args.n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         do = torch.randn_like(q)
-        for label, order in TRITON_VARIANTS.items():
-            mask = without_structure(fm)  # its own plans: this variant's order only
-            plan.launch_order = order or shipped  # read when the plans are built (forward and backward)
+        for label, install in variants.items():
+            mask = without_structure(fm)  # its own caches: this variant's order and plans only
+            restore = install()
             try:
                 def call(mask=mask, q=q, k=k, v=v):
-                    return flashmask_attention(q, k, v, mask=mask, impl="triton")
+                    return flashmask_attention(q, k, v, mask=mask, impl=args.impl)
                 row = dict(mask=name, n=args.n, variant=label,
                            **measure(label, call, q, k, v, do, pairs, args.heads, d, False))
             finally:
-                plan.launch_order = shipped
+                restore()
             rows.append(row)
             report(row)
-    write(args, rows)
+    return rows
+
+
+def report(row: dict) -> None:
+    print(f"{row['mask']:14s} {row['n']:7d} {row['variant']:36s} fwd {row.get('fwd_ms', float('nan')):.3f} ms "
+          f"({row.get('fwd_ms_min', float('nan')):.3f}-{row.get('fwd_ms_max', float('nan')):.3f})  fwd+bwd "
+          f"{row.get('fwdbwd_ms', float('nan')):.3f} ms ({row.get('fwdbwd_ms_min', float('nan')):.3f}-"
+          f"{row.get('fwdbwd_ms_max', float('nan')):.3f}) {row.get('error', '')}", flush=True)
 
 
 def write(args, rows: list[dict]) -> None:
