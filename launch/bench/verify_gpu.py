@@ -10,8 +10,8 @@ GPU. Error measure: ``||x - ref|| / ||ref||`` per tensor (bf16 limit 8e-3, fp16 
 absolute error on finite rows and exact -inf rows where the reference row sees no key.
 
 Cases: every mask family (causal, packed docs with empty rows, bidirectional docs, DPO, reward model,
-prefix-LM, sliding window + sinks, global rows + window, a multi-interval union) at an odd N, GQA (8 query / 2 KV heads),
-head dims 64 / 128 / 256, fp16 and bf16, masks per batch row and per head, and a query chunk with a
+prefix-LM, sliding window + sinks, global rows + window, a multi-interval union) at an odd N, GQA
+(8 query / 2 KV heads), head dims 64 / 128 / 256, fp16 and bf16, masks per batch row and per head, and a query chunk with a
 row offset (Nq != Nk, what ring attention runs). Prints PASS / FAIL per case; exits 1 on any FAIL.
 """
 
