@@ -48,9 +48,10 @@ from cutlass.cute import FastDivmodDivisorV2
 from cutlass.cutlass_dsl import min as dsl_min
 from quack.cute_dsl_utils import ParamsBase
 
+from .fa4_sparsity import BLOCK_Q
 from .plan import ORDER_BUCKETS
 
-__all__ = ["SCHEDULES", "SPARSE_BLOCK_Q", "CostOrderScheduler", "FlashMaskSpec", "Options", "install", "register",
+__all__ = ["SCHEDULES", "CostOrderScheduler", "FlashMaskSpec", "Options", "install", "register",
            "traced"]
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,6 @@ PINNED_FA4 = "4.0.0b36"
 # passes), "reversed" (FA4's LPT scheduler on the forward: query blocks in reverse; the backward in grid
 # order; what this module did before "cost"), "grid" (FA4's own order).
 SCHEDULES = ("cost", "reversed", "grid")
-# The query block of FA4's block-sparsity lists (fa4_sparsity.fa4_tile_shape, every head dim): the
-# forward's tile is this or a divisor of it, so one entry of the order covers 128 // tile_m CTAs.
-SPARSE_BLOCK_Q = 128
 
 
 @dataclass(frozen=True)
@@ -175,7 +173,9 @@ class CostOrderScheduler:
     ``rep`` of the kernel's blocks (64-row forward tiles or PackGQA's packed rows under 128-row
     lists; else 1). The order names list blocks only, so it holds whatever heads the kernel packs.
     Blocks past the kernel's count (a ragged last list block split) are CTAs with nothing to do.
-    :func:`.plan.launch_items` is this decoding in Python."""
+    :func:`.plan.launch_items` is this decoding in Python. (Its protocol methods mirror FA4's
+    ``SingleTileLPTBwdScheduler``; not a subclass of it, so that importing this module never depends
+    on FA4's internals before :func:`install` has checked the version.)"""
 
     @dataclass
     class Params(ParamsBase):
@@ -295,7 +295,7 @@ def _scheduler_proxy(plain, lpt, backward: bool):
                 expected = 2 + int(spec.explicit_rows)  # bounds, [rows,] order
                 # list blocks per kernel block: the backward's key tile is the lists' key block (FA4
                 # requires it); the forward's tile holds tile_m packed rows of qpk heads
-                rows = 1 if backward else SPARSE_BLOCK_Q * args.qhead_per_kvhead_packgqa
+                rows = 1 if backward else BLOCK_Q * args.qhead_per_kvhead_packgqa
                 tile = 1 if backward else args.tile_shape_mn[0]
                 if aux is not None and len(aux) == expected and rows % tile == 0:
                     traced["cost_order" + suffix] += 1

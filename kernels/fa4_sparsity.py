@@ -28,8 +28,8 @@ from fm_parallel.masks.flashmask import FlashMask
 
 from .plan import _classes, consecutive_ranges, launch_order, packed_ranges
 
-__all__ = ["FA4BlockSparsity", "cost_order", "fa4_block_sparsity", "fa4_block_sparsity_consecutive", "fa4_tile_shape",
-           "pack_bounds"]
+__all__ = ["BLOCK_Q", "FA4BlockSparsity", "cost_order", "fa4_block_sparsity", "fa4_block_sparsity_consecutive",
+           "fa4_tile_shape", "pack_bounds"]
 
 
 def pack_bounds(fms: torch.Tensor, fme: torch.Tensor, row_offset: int = 0) -> torch.Tensor:
@@ -41,6 +41,11 @@ def pack_bounds(fms: torch.Tensor, fme: torch.Tensor, row_offset: int = 0) -> to
     first = fms.to(torch.int64) - row_offset
     last = fme.to(torch.int64) - row_offset
     return ((last << 32) | (first & 0xFFFFFFFF)).contiguous()
+
+
+# The query block of the lists at every head dim; the CuTe scheduler relies on it (one list block covers
+# BLOCK_Q // tile_m forward tiles of tile_m rows).
+BLOCK_Q = 128
 
 
 def fa4_tile_shape(head_dim: int) -> tuple[int, int]:
@@ -55,8 +60,8 @@ def fa4_tile_shape(head_dim: int) -> tuple[int, int]:
     if not 8 <= head_dim <= 256:
         raise ValueError(f"head_dim: expected 8..256 for FA4's SM90 kernels, got {head_dim}")
     if head_dim <= 128:
-        return 128, 128
-    return (128, 96) if head_dim <= 192 else (128, 64)
+        return BLOCK_Q, 128
+    return (BLOCK_Q, 96) if head_dim <= 192 else (BLOCK_Q, 64)
 
 
 @dataclass(frozen=True)
