@@ -18,6 +18,8 @@ from fm_parallel.kernels.custom_op import define_attention_op
 from fm_parallel.kernels.plan import BlockSparsePlan, build_plan, build_plans_consecutive
 from fm_parallel.kernels.triton_kernels import (
     LOG2E,
+    flashmask_bwd_delta_kernel,
+    flashmask_bwd_kernel,
     flashmask_bwd_kv_kernel,
     flashmask_bwd_q_kernel,
     flashmask_fwd_kernel,
@@ -122,11 +124,19 @@ def flashmask_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: floa
 
 
 def _delta(out, dout, dlse):
-    """Backward preprocess: ``rowsum(dO * O) - dlse``, ``[B, Hq, Nq]`` float32."""
-    delta = (dout.float() * out.float()).sum(-1)
-    if dlse is not None:
-        delta = delta - dlse.float()  # d lse_i / d s_ij = p_ij folds into the same correction
-    return delta.contiguous()
+    """Backward preprocess: ``rowsum(dO * O) - dlse``, ``[B, Hq, Nq]`` float32 (d lse_i / d s_ij =
+    p_ij folds the lse's gradient into the same correction). ``out`` / ``dout``: last dim contiguous."""
+    b, hq, nq, dv = out.shape
+    delta = torch.empty(b, hq, nq, dtype=torch.float32, device=out.device)
+    dlse = None if dlse is None else dlse.float().expand(b, hq, nq).contiguous()
+    if delta.numel() == 0:
+        return delta
+    block_m = 16 if _interpreting() else 64
+    flashmask_bwd_delta_kernel[(triton.cdiv(nq, block_m), b * hq)](
+        out, dout, delta if dlse is None else dlse, delta, *out.stride()[:3], *dout.stride()[:3], nq, hq,
+        HAS_DLSE=dlse is not None, DV=dv, BLOCK_DV=triton.next_power_of_2(dv), BLOCK_M=block_m,
+    )
+    return delta
 
 
 def bwd_kv(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset=None):
@@ -168,6 +178,36 @@ def bwd_q(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset
     return dq.to(q.dtype)
 
 
+def bwd_fused(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset=None):
+    """dQ, dK, dV in one launch (``flashmask_bwd_kernel``): the dK/dV programs first, then the dQ
+    programs, each pass with its own block shape and launch order; the two share warps and stages."""
+    b, hq, nq, d = q.shape
+    hkv = k.shape[1]
+    dq = torch.empty_like(q, dtype=_buffer_dtype(q.dtype))
+    dk = torch.empty_like(k, dtype=_buffer_dtype(k.dtype))
+    dv = torch.empty_like(v, dtype=_buffer_dtype(v.dtype))
+    kv_cfg, q_cfg = config_for("bwd_kv", d), config_for("bwd_q", d)
+    kv_plan = _plan(mask, positions, kv_cfg, True, q_offset)
+    q_plan = _plan(mask, positions, q_cfg, False, q_offset)
+    kv_programs = kv_plan.num_outer * b * hkv
+    flashmask_bwd_kernel[(kv_programs + q_plan.num_outer * b * hq,)](
+        q, k, v, dout, lse, delta, dq, dk, dv, mask.fms, mask.fme, positions.to(torch.int32),
+        *_plan_args(kv_plan), *_plan_args(q_plan),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
+        *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], mask.fms.stride(0), mask.fms.stride(1),
+        Hkv=hkv, num_k_blocks=kv_plan.num_outer, num_q_blocks=q_plan.num_outer, kv_programs=kv_programs,
+        qk_scale=scale * LOG2E, scale=scale,
+        BLOCK_M1=kv_cfg.block_m, BLOCK_N1=kv_cfg.block_n, BLOCK_M2=q_cfg.block_m, BLOCK_N2=q_cfg.block_n,
+        num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages,
+        **_meta(q, v, mask, k, dout, dq, dk, dv),
+    )
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# The backward as one launch (bwd_fused) where both passes' configs share warps and stages, else two.
+FUSED_BACKWARD = True
+
+
 def flashmask_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale, dlse=None, q_offset=None,
                   deterministic: bool = True):
     """Backward launcher: ``(dq, dk, dv)`` in the inputs' dtypes. ``dlse``: gradient of the lse output.
@@ -180,6 +220,9 @@ def flashmask_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale, dl
     """
     q, k, v, out, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, out, dout))
     delta, lse = _delta(out, dout, dlse), lse.contiguous()
+    kv_cfg, q_cfg = config_for("bwd_kv", q.shape[-1]), config_for("bwd_q", q.shape[-1])
+    if FUSED_BACKWARD and (kv_cfg.num_warps, kv_cfg.num_stages) == (q_cfg.num_warps, q_cfg.num_stages):
+        return bwd_fused(q, k, v, dout, lse, delta, mask, positions, scale, q_offset)
     dk, dv = bwd_kv(q, k, v, dout, lse, delta, mask, positions, scale, q_offset)
     return bwd_q(q, k, v, dout, lse, delta, mask, positions, scale, q_offset), dk, dv
 
