@@ -19,7 +19,6 @@ from fm_parallel.kernels.plan import BlockSparsePlan, build_plan, build_plans_co
 from fm_parallel.kernels.triton_kernels import (
     LOG2E,
     flashmask_bwd_delta_kernel,
-    flashmask_bwd_kernel,
     flashmask_bwd_kv_kernel,
     flashmask_bwd_q_kernel,
     flashmask_fwd_kernel,
@@ -178,36 +177,6 @@ def bwd_q(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset
     return dq.to(q.dtype)
 
 
-def bwd_fused(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset=None):
-    """dQ, dK, dV in one launch (``flashmask_bwd_kernel``): the dK/dV programs first, then the dQ
-    programs, each pass with its own block shape and launch order; the two share warps and stages."""
-    b, hq, nq, d = q.shape
-    hkv = k.shape[1]
-    dq = torch.empty_like(q, dtype=_buffer_dtype(q.dtype))
-    dk = torch.empty_like(k, dtype=_buffer_dtype(k.dtype))
-    dv = torch.empty_like(v, dtype=_buffer_dtype(v.dtype))
-    kv_cfg, q_cfg = config_for("bwd_kv", d), config_for("bwd_q", d)
-    kv_plan = _plan(mask, positions, kv_cfg, True, q_offset)
-    q_plan = _plan(mask, positions, q_cfg, False, q_offset)
-    kv_programs = kv_plan.num_outer * b * hkv
-    flashmask_bwd_kernel[(kv_programs + q_plan.num_outer * b * hq,)](
-        q, k, v, dout, lse, delta, dq, dk, dv, mask.fms, mask.fme, positions.to(torch.int32),
-        *_plan_args(kv_plan), *_plan_args(q_plan),
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
-        *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3], mask.fms.stride(0), mask.fms.stride(1),
-        Hkv=hkv, num_k_blocks=kv_plan.num_outer, num_q_blocks=q_plan.num_outer, kv_programs=kv_programs,
-        qk_scale=scale * LOG2E, scale=scale,
-        BLOCK_M1=kv_cfg.block_m, BLOCK_N1=kv_cfg.block_n, BLOCK_M2=q_cfg.block_m, BLOCK_N2=q_cfg.block_n,
-        num_warps=kv_cfg.num_warps, num_stages=kv_cfg.num_stages,
-        **_meta(q, v, mask, k, dout, dq, dk, dv),
-    )
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-# The backward as one launch (bwd_fused) where both passes' configs share warps and stages, else two.
-FUSED_BACKWARD = True
-
-
 def flashmask_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale, dlse=None, q_offset=None,
                   deterministic: bool = True):
     """Backward launcher: ``(dq, dk, dv)`` in the inputs' dtypes. ``dlse``: gradient of the lse output.
@@ -216,13 +185,13 @@ def flashmask_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale, dl
     has its own pass. Adding dQ with float32 atomics inside the dK/dV pass instead was measured on the
     H200 and removed: 5.5x slower forward+backward (causal 16k: 54.1 vs 9.9 ms; packed docs 10.4 vs
     2.4 ms; launch/bench/kernel.py, 2026-12-03), the element-wise atomics cost far more than the
-    recomputation of QK^T they save.
+    recomputation of QK^T they save. Both passes in one launch (FlexAttention's layout: the dQ
+    programs start while the last dK/dV ones finish) was measured and removed too: within 2% on packed
+    docs, DPO and the sliding window, 5% slower on prefix-LM (16k, launch/bench/triton_bwd.py,
+    2026-12-03); the heaviest-first launch order already leaves each pass little tail to overlap.
     """
     q, k, v, out, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, out, dout))
     delta, lse = _delta(out, dout, dlse), lse.contiguous()
-    kv_cfg, q_cfg = config_for("bwd_kv", q.shape[-1]), config_for("bwd_q", q.shape[-1])
-    if FUSED_BACKWARD and (kv_cfg.num_warps, kv_cfg.num_stages) == (q_cfg.num_warps, q_cfg.num_stages):
-        return bwd_fused(q, k, v, dout, lse, delta, mask, positions, scale, q_offset)
     dk, dv = bwd_kv(q, k, v, dout, lse, delta, mask, positions, scale, q_offset)
     return bwd_q(q, k, v, dout, lse, delta, mask, positions, scale, q_offset), dk, dv
 

@@ -42,9 +42,10 @@
 #   AB_IMPL=triton NS=16384 MASKS="sliding window_sinks global_window dpo docs" bash launch/bench/h200_session.sh schedab
 #                                              # carry [".fa4one", ".fa4extra"]: Triton's order before the launch
 #                                              # order vs the shipped one (schedule_ab.py; AB_IMPL=cute: the CuTe A/B)
-#   bash launch/bench/h200_session.sh tbwd     # carry nothing: the Triton backward's variants (one launch or two,
-#                                              # block shapes) piece by piece against Flex at NS (16k) on MASKS
-#                                              # (docs dpo sliding prefix; triton_bwd.py), then verify_gpu --impls triton
+#   NS="16384 65536" bash launch/bench/h200_session.sh tbwd  # carry nothing: verify_gpu --impls triton, then the
+#                                              # Triton backward piece by piece (block-shape variants) against Flex
+#                                              # at NS on MASKS (docs dpo sliding prefix; triton_bwd.py). The first
+#                                              # Flex compile on a fresh machine takes ~220 s.
 #   bash launch/bench/h200_session.sh hostprof # carry [".fa4one", ".fa4extra"]: where a CP layer's host time goes at
 #                                              # P = 8 (cProfile of rank 0, docs and sliding + sinks, 128k, zigzag)
 #   NS="16384 65536" bash launch/bench/h200_session.sh costs   # carry [".fa4one"]: partial vs full tile cost
@@ -190,10 +191,10 @@ case "$stage" in
     timeout ${AB_TIMEOUT:-300} python3 launch/bench/schedule_ab.py --impl ${AB_IMPL:-cute} --n ${NS:-65536} \
       --masks ${MASKS:-window_sinks} --out "$OUT" 2>&1 | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/schedule_ab.log" | tail -20 || true ;;
   tbwd)  # no FA4 needed: Triton and Flex only
-    timeout ${TBWD_TIMEOUT:-420} python3 launch/bench/triton_bwd.py --n ${NS:-16384} --masks ${MASKS:-docs dpo sliding prefix} \
-      --out "$OUT" --tag triton_bwd_h200${TAG:-} 2>&1 | grep -v "UserWarning\|warnings.warn" | tee "$OUT/triton_bwd.log" || true
     [ "${VERIFY_TIMEOUT:-100}" = 0 ] || { timeout ${VERIFY_TIMEOUT:-100} python3 launch/bench/verify_gpu.py --impls triton \
-      --json "$OUT/verify_gpu_h200_triton_bwd.json" 2>&1 | tee "$OUT/verify_triton_bwd.log" | tail -3 || true; } ;;
+      --json "$OUT/verify_gpu_h200_triton_bwd.json" 2>&1 | tee "$OUT/verify_triton_bwd.log" | tail -3 || true; }
+    timeout ${TBWD_TIMEOUT:-420} python3 launch/bench/triton_bwd.py --ns ${NS:-16384} --masks ${MASKS:-docs dpo sliding prefix} \
+      --out "$OUT" --tag triton_bwd_h200${TAG:-} 2>&1 | grep -v "UserWarning\|warnings.warn" | tee "$OUT/triton_bwd.log" || true ;;
   hostprof)
     fa4
     timeout ${COST_TIMEOUT:-300} python3 launch/bench/cp_layer_cost.py --out "$OUT/hostprof" --ns 131072 --ps 8 \

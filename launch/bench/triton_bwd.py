@@ -1,6 +1,6 @@
 """The Triton backward, piece by piece, against FlexAttention's default (Triton) backend in one process.
 
-    python launch/bench/triton_bwd.py --n 16384 --masks docs dpo sliding prefix
+    python launch/bench/triton_bwd.py --ns 16384 65536 --masks docs dpo sliding prefix
 
 For each mask (B=1, H=16, D=128 bf16, kernel.py's builders; on a machine without a GPU it runs through Triton's
 interpreter, ``TRITON_INTERPRET=1``, as a smoke test of the script only) and each backward variant it times, as
@@ -9,10 +9,11 @@ min / median / max over repeats (``triton.testing.do_bench``):
   * ``bwd``: ``flashmask_bwd`` alone (preprocess + dK/dV + dQ), with ``kv`` / ``q`` each pass alone
     where the variant runs them as two launches;
   * ``fwd+bwd``: the autograd call users make (``flashmask_attention(..., impl="triton")`` then
-    ``backward``), the figure compared with Flex's compiled ``flex_attention`` forward + backward;
+    ``backward``), the figure compared with Flex's compiled ``flex_attention`` forward + backward,
+    timed by do_bench (L2 emptied before every call) and back to back (as a training loop runs);
 and one profiled forward + backward of ours and of Flex (CUDA time per kernel, torch.profiler), which
-says where the difference goes. Variants: two launches or one (``FUSED_BACKWARD``) and the passes'
-block shapes (kernels/triton_flashmask.py ``_HOPPER``). Writes ``--tag``.json / .md under --out.
+says where the difference goes. Variants: the passes' block shapes (kernels/triton_flashmask.py
+``_HOPPER``). Writes ``--tag``.json / .md under --out.
 """
 
 from __future__ import annotations
@@ -36,14 +37,13 @@ from repeats import spread  # noqa: E402
 from fm_parallel import flashmask_attention  # noqa: E402
 from fm_parallel.kernels import triton_flashmask as tf  # noqa: E402
 
-# label -> (one launch?, dK/dV (BLOCK_M queries, BLOCK_N keys), dQ (BLOCK_M, BLOCK_N), warps, stages)
+# label -> the dK/dV pass's and the dQ pass's (BLOCK_M, BLOCK_N, num_warps, num_stages). On 2026-12-03
+# (16k) the H200 also ran both passes in one launch (FlexAttention's layout), with these shapes and
+# with Flex's (dK/dV 64 x 128, dQ 128 x 64, 8 warps, 3 or 2 stages) and 8-warp 64 x 64 ones: within
+# 2% or slower (docs/benchmarks/triton_bwd_h200_16k_one_launch.md); the one launch was removed.
 VARIANTS = {
-    "two launches, 64x64, 4 warps": (False, (64, 64), (64, 64), 4, 2),
-    "one launch, 64x64, 4 warps": (True, (64, 64), (64, 64), 4, 2),
-    "one launch, kv 64x128 / q 128x64, 8 warps, 3 stages": (True, (64, 128), (128, 64), 8, 3),
-    "one launch, kv 64x128 / q 128x64, 8 warps, 2 stages": (True, (64, 128), (128, 64), 8, 2),
-    "one launch, 64x64, 8 warps": (True, (64, 64), (64, 64), 8, 2),
-    "one launch, kv 32x64 / q 64x64, 8 warps": (True, (32, 64), (64, 64), 8, 2),
+    "64x64, 4 warps (shipped)": ((64, 64, 4, 2), (64, 64, 4, 2)),
+    "dK/dV 64x128 8 warps 3 stages, dQ 64x64": ((64, 128, 8, 3), (64, 64, 4, 2)),
 }
 
 
@@ -87,15 +87,31 @@ def kernel_table(fn, top: int = 8) -> list[dict]:
 
 def with_variant(spec):
     """Install a variant's backward config; returns the restore."""
-    fused, kv, q, warps, stages = spec
-    saved = (tf.FUSED_BACKWARD, tf._HOPPER["bwd_kv"][128], tf._HOPPER["bwd_q"][128])
-    tf.FUSED_BACKWARD = fused
-    tf._HOPPER["bwd_kv"][128] = tf.KernelConfig(*kv, warps, stages)
-    tf._HOPPER["bwd_q"][128] = tf.KernelConfig(*q, warps, stages)
+    kv, q = spec
+    saved = (tf._HOPPER["bwd_kv"][128], tf._HOPPER["bwd_q"][128])
+    tf._HOPPER["bwd_kv"][128], tf._HOPPER["bwd_q"][128] = tf.KernelConfig(*kv), tf.KernelConfig(*q)
 
     def restore():
-        tf.FUSED_BACKWARD, tf._HOPPER["bwd_kv"][128], tf._HOPPER["bwd_q"][128] = saved
+        tf._HOPPER["bwd_kv"][128], tf._HOPPER["bwd_q"][128] = saved
     return restore
+
+
+def back_to_back(fn, calls: int = 10) -> dict:
+    """ms per call over ``calls`` calls queued back to back, as a training loop runs them (do_bench
+    instead empties the L2 cache before every call and times each alone); min / median / max of 3."""
+    if not torch.cuda.is_available():
+        return timed(fn)
+    fn()
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return spread(times)
 
 
 def run_mask(name: str, n: int, heads: int, variants: dict, flex) -> dict:
@@ -136,17 +152,18 @@ def run_mask(name: str, n: int, heads: int, variants: dict, flex) -> dict:
                 torch.cuda.synchronize()
             row["compile_s"] = time.perf_counter() - t0
             row["bwd"] = timed(lambda: tf.flashmask_bwd(q.detach(), k.detach(), v.detach(), out, lse, do, fm, pos, scale, q_offset=0))
-            if not spec[0]:
-                delta = tf._delta(out, do, None)
-                row["kv"] = timed(lambda: tf.bwd_kv(q.detach(), k.detach(), v.detach(), do, lse, delta, fm, pos, scale, 0))
-                row["q"] = timed(lambda: tf.bwd_q(q.detach(), k.detach(), v.detach(), do, lse, delta, fm, pos, scale, 0))
+            delta = tf._delta(out, do, None)
+            row["kv"] = timed(lambda: tf.bwd_kv(q.detach(), k.detach(), v.detach(), do, lse, delta, fm, pos, scale, 0))
+            row["q"] = timed(lambda: tf.bwd_q(q.detach(), k.detach(), v.detach(), do, lse, delta, fm, pos, scale, 0))
             row["fwdbwd"] = timed(fwd_bwd(ours))
+            row["fwdbwd_back_to_back"] = back_to_back(fwd_bwd(ours))
         except Exception as e:  # noqa: BLE001  (a shape that does not fit is reported, not fatal)
             row = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
         finally:
             restore()
         result["variants"][label] = row
-        parts = " ".join(f"{key} {row[key]['median']:.3f}" for key in ("bwd", "kv", "q", "fwdbwd") if key in row)
+        parts = " ".join(f"{key} {row[key]['median']:.3f}" for key in ("bwd", "kv", "q", "fwdbwd", "fwdbwd_back_to_back")
+                         if key in row)
         print(f"  {label:55s} {parts or row.get('error')} ms", flush=True)
     if flex is not None:
         t0 = time.perf_counter()
@@ -158,8 +175,10 @@ def run_mask(name: str, n: int, heads: int, variants: dict, flex) -> dict:
         result["flex_compile_s"] = time.perf_counter() - t0
         result["flex_fwd"] = timed(call)
         result["flex_fwdbwd"] = timed(fwd_bwd(call))
+        result["flex_fwdbwd_back_to_back"] = back_to_back(fwd_bwd(call))
         result["flex_kernels"] = kernel_table(fwd_bwd(call))
-        print(f"  Flex fwd {result['flex_fwd']['median']:.3f} fwd+bwd {result['flex_fwdbwd']['median']:.3f} ms "
+        print(f"  Flex fwd {result['flex_fwd']['median']:.3f} fwd+bwd {result['flex_fwdbwd']['median']:.3f} "
+              f"back to back {result['flex_fwdbwd_back_to_back']['median']:.3f} ms "
               f"(compile {result['flex_compile_s']:.0f} s)", flush=True)
     result["ours_kernels"] = kernel_table(fwd_bwd(ours))
     for who in ("ours", "flex"):
@@ -171,26 +190,29 @@ def run_mask(name: str, n: int, heads: int, variants: dict, flex) -> dict:
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| mask | N | variant | bwd ms | fwd+bwd ms min / median / max | vs Flex fwd+bwd |", "|---|---|---|---|---|---|"]
+    lines = ["| mask | N | variant | bwd ms | fwd+bwd ms min / median / max | vs Flex | back to back ms | vs Flex |",
+             "|---|---|---|---|---|---|---|---|"]
+    spread_of = lambda t: f"{t['min']:.3f} / {t['median']:.3f} / {t['max']:.3f}"  # noqa: E731
     for r in results:
-        flex = r.get("flex_fwdbwd", {}).get("median")
+        flex, flex_b2b = (r.get(key, {}).get("median") for key in ("flex_fwdbwd", "flex_fwdbwd_back_to_back"))
         for label, row in r["variants"].items():
             if "error" in row:
-                lines.append(f"| {r['mask']} | {r['n']} | {label} | {row['error']} | | |")
+                lines.append(f"| {r['mask']} | {r['n']} | {label} | {row['error']} | | | | |")
                 continue
-            fb = row["fwdbwd"]
+            fb, b2b = row["fwdbwd"], row["fwdbwd_back_to_back"]
             ratio = f"{flex / fb['median']:.2f}x" if flex else ""
-            lines.append(f"| {r['mask']} | {r['n']} | {label} | {row['bwd']['median']:.3f} | "
-                         f"{fb['min']:.3f} / {fb['median']:.3f} / {fb['max']:.3f} | {ratio} |")
+            ratio_b2b = f"{flex_b2b / b2b['median']:.2f}x" if flex_b2b else ""
+            lines.append(f"| {r['mask']} | {r['n']} | {label} | {row['bwd']['median']:.3f} | {spread_of(fb)} | {ratio} | "
+                         f"{spread_of(b2b)} | {ratio_b2b} |")
         if flex:
-            f = r["flex_fwdbwd"]
-            lines.append(f"| {r['mask']} | {r['n']} | Flex (default backend) | | {f['min']:.3f} / {f['median']:.3f} / {f['max']:.3f} | 1.00x |")
+            lines.append(f"| {r['mask']} | {r['n']} | Flex (default backend) | | {spread_of(r['flex_fwdbwd'])} | 1.00x | "
+                         f"{spread_of(r['flex_fwdbwd_back_to_back'])} | 1.00x |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n", type=int, default=16384)
+    parser.add_argument("--ns", type=int, nargs="+", default=[16384])
     parser.add_argument("--masks", nargs="+", default=["docs", "dpo", "sliding", "prefix"])
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
@@ -207,11 +229,12 @@ def main() -> None:
     print("torch", torch.__version__, "device", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
-    for name in args.masks:
-        results.append(run_mask(name, args.n, args.heads, {v: VARIANTS[v] for v in args.variants}, flex))
-        # after every mask: a run cut short keeps what it measured
-        (args.out / f"{args.tag}.json").write_text(json.dumps({"meta": {"torch": torch.__version__}, "rows": results}, indent=1))
-        (args.out / f"{args.tag}.md").write_text(markdown(results) + "\n")
+    for n in args.ns:
+        for name in args.masks:
+            results.append(run_mask(name, n, args.heads, {v: VARIANTS[v] for v in args.variants}, flex))
+            # after every mask: a run cut short keeps what it measured
+            (args.out / f"{args.tag}.json").write_text(json.dumps({"meta": {"torch": torch.__version__}, "rows": results}, indent=1))
+            (args.out / f"{args.tag}.md").write_text(markdown(results) + "\n")
     print(markdown(results))
 
 

@@ -31,9 +31,7 @@ sys.path.insert(0, str(ROOT / "launch" / "bench"))
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on H100 / H200
 _PTRS = {"LSE": "*fp32", "DELTA": "*fp32", "DQ_ACC": "*fp32", "FMS": "*i32", "FME": "*i32", "POS": "*i32",
-         "FULL_OFF": "*i32", "FULL_RUNS": "*i32", "PART_OFF": "*i32", "PART_RUNS": "*i32", "ORDER": "*i32",
-         "DLSE": "*fp32"}
-_PTRS.update({f"{role}_{name}": t for role in ("KV", "Q") for name, t in list(_PTRS.items()) if "_" in name or name == "ORDER"})
+         "FULL_OFF": "*i32", "FULL_RUNS": "*i32", "PART_OFF": "*i32", "PART_RUNS": "*i32", "ORDER": "*i32"}
 _FLOATS = {"qk_scale", "scale"}
 
 
@@ -94,15 +92,11 @@ def resources(kind: str, d: int, shape: tuple[int, int, int, int]) -> dict:
 
     from fm_parallel.kernels import triton_kernels as tk
 
-    kernels = {"fwd": tk.flashmask_fwd_kernel, "bwd_kv": tk.flashmask_bwd_kv_kernel, "bwd_q": tk.flashmask_bwd_q_kernel,
-               "bwd": tk.flashmask_bwd_kernel}
+    kernels = {"fwd": tk.flashmask_fwd_kernel, "bwd_kv": tk.flashmask_bwd_kv_kernel, "bwd_q": tk.flashmask_bwd_q_kernel}
     kernel = _plain_forward() if kind == "reference" else kernels[kind]
     block_m, block_n, warps, stages = shape
     const = dict(D=d, DV=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d), BLOCK_M=block_m,
                  BLOCK_N=block_n, M_INT=1, UPCAST=False, PREC="tf32", WIDE=False)
-    if kind == "bwd":  # the one-launch backward: dK/dV tiles BLOCK_M x BLOCK_N, dQ tiles the transpose
-        del const["BLOCK_M"], const["BLOCK_N"]
-        const.update(BLOCK_M1=block_m, BLOCK_N1=block_n, BLOCK_M2=block_n, BLOCK_N2=block_m)
     src = ASTSource(fn=kernel, signature=_signature(kernel, const),
                     constexprs={(kernel.arg_names.index(n),): v for n, v in const.items()})
     t0 = time.perf_counter()
@@ -135,7 +129,7 @@ def resources(kind: str, d: int, shape: tuple[int, int, int, int]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--d", type=int, nargs="+", default=[64, 128, 256])
-    parser.add_argument("--kinds", nargs="+", default=["fwd", "bwd_kv", "bwd_q", "bwd"])
+    parser.add_argument("--kinds", nargs="+", default=["fwd", "bwd_kv", "bwd_q"])
     parser.add_argument("--extra", nargs="*", default=[], metavar="BM,BN,WARPS,STAGES",
                         help="more block shapes to compile for every pass and head dim")
     parser.add_argument("--json", type=Path)
@@ -154,13 +148,11 @@ def main() -> None:
     from fm_parallel.kernels.triton_flashmask import _HOPPER
 
     jobs = [("reference", d, shape, False) for d in args.d for shape in ((64, 64, 4, 3), (128, 64, 8, 3))]
-    # the one-launch backward ("bwd"): the dK/dV pass's shape, its transpose for dQ (triton_bwd.py's variants)
-    candidates = {**CANDIDATES, "bwd": [(64, 64, 4, 2), (64, 128, 8, 3), (64, 128, 8, 2)]}
     for kind in args.kinds:
         for d in args.d:
-            current = _HOPPER["bwd_kv" if kind == "bwd" else kind][d]
+            current = _HOPPER[kind][d]
             chosen = (current.block_m, current.block_n, current.num_warps, current.num_stages)
-            for shape in dict.fromkeys([chosen, *candidates[kind], *extra]):
+            for shape in dict.fromkeys([chosen, *CANDIDATES[kind], *extra]):
                 jobs.append((kind, d, shape, shape == chosen))
     rows = []
     for kind, d, shape, chosen in tqdm(jobs, desc="compiling for sm_90a"):

@@ -198,50 +198,6 @@ def test_64_bit_offset_path_matches_the_reference(monkeypatch):
     assert_matches_reference(run(q, k, v, m), q, k, v, m.to(DEVICE))
 
 
-@pytest.mark.parametrize("shapes", [((32, 32), (32, 32)), ((16, 32), (32, 16))], ids=["same", "own_shapes"])
-def test_one_launch_backward_equals_two_launches_bitwise(monkeypatch, shapes):
-    """The fused backward (dK/dV and dQ programs in one launch, each pass with its own block shape and
-    launch order) computes exactly what the two launches do, lse gradient included, and matches the
-    reference; configs whose warps differ fall back to two launches."""
-    from fm_parallel.kernels import triton_flashmask as tf
-
-    (m1, n1), (m2, n2) = shapes
-    table = {"fwd": tf.KernelConfig(32, 32, 4, 1), "bwd_kv": tf.KernelConfig(m1, n1, 4, 1), "bwd_q": tf.KernelConfig(m2, n2, 4, 1)}
-    monkeypatch.setattr(tf, "config_for", lambda kind, d: table[kind])
-    fms, fme, _ = random_intervals(1, 2, 90, 90, 2, seed=11)
-    m = FlashMask(fms, fme, 90).to(DEVICE)
-    w = torch.randn(1, 4, 90, device=DEVICE)
-    launches, grads = [], []
-    for fused in (True, False):
-        monkeypatch.setattr(tf, "FUSED_BACKWARD", fused)
-        q, k, v = on_device(*qkv(1, 4, 2, 90, 16, torch.float32, seed=12))
-        kernels = {name: getattr(tf, name) for name in ("flashmask_bwd_kernel", "flashmask_bwd_kv_kernel")}
-        seen = []
-        for name, kernel in kernels.items():  # which launches ran
-            monkeypatch.setattr(tf, name, type("K", (), {"__getitem__": lambda self, g, n=name, k=kernel: seen.append(n) or k[g]})())
-        out, lse = flashmask_attention(q, k, v, mask=m, impl="triton", return_lse=True)
-        (out.sum() + (torch.where(torch.isinf(lse), 0.0, lse) * w).sum()).backward()
-        for name, kernel in kernels.items():
-            monkeypatch.setattr(tf, name, kernel)
-        launches.append(seen)
-        grads.append([x.grad for x in (q, k, v)])
-    assert launches == [["flashmask_bwd_kernel"], ["flashmask_bwd_kv_kernel"]]
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
-    q64, k64, v64 = (t.detach().double().cpu().requires_grad_() for t in qkv(1, 4, 2, 90, 16, torch.float32, seed=12))
-    r, rl = reference_attention(q64, k64, v64, m.to("cpu"))
-    (r.sum() + (torch.where(torch.isinf(rl), 0.0, rl) * w.double().cpu()).sum()).backward()
-    for a, b in zip(grads[0], (q64, k64, v64)):
-        torch.testing.assert_close(a.double().cpu(), b.grad, atol=5e-5, rtol=1e-4)
-    table["bwd_q"] = tf.KernelConfig(m2, n2, 8, 1)  # warps differ: two launches even when fused is asked
-    monkeypatch.setattr(tf, "FUSED_BACKWARD", True)
-    seen = []
-    kernel = tf.flashmask_bwd_kv_kernel
-    monkeypatch.setattr(tf, "flashmask_bwd_kv_kernel", type("K", (), {"__getitem__": lambda self, g: seen.append(1) or kernel[g]})())
-    q, k, v = on_device(*qkv(1, 4, 2, 90, 16, torch.float32, seed=12))
-    flashmask_attention(q, k, v, mask=m, impl="triton").sum().backward()
-    assert seen == [1]
-
-
 def test_backward_preprocess_kernel_matches_torch():
     from fm_parallel.kernels import triton_flashmask as tf
 
