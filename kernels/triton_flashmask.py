@@ -38,6 +38,7 @@ class KernelConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False  # dK/dV pass: Q and dO tiles through tensor descriptors (TMA) where the layout allows
 
 
 # Hopper (H200) block shapes per pass and head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages).
@@ -138,6 +139,23 @@ def _delta(out, dout, dlse):
     return delta
 
 
+def _tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether tensor descriptors can read these ``[B, H, N, D]`` tensors: D a power of two (the tile's
+    width), every per-row / per-head / per-batch step and the base 16-byte aligned. Also sets the
+    scratch allocator that descriptors made inside a kernel need, if none is set."""
+    for t in tensors:
+        size = t.element_size()
+        d = t.shape[-1]
+        if d != triton.next_power_of_2(d) or t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:3]):
+            return False
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):  # keep a user's own allocator
+        device = tensors[0].device
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
+    return True
+
+
 def bwd_kv(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset=None):
     """dK, dV: one program per key block, looping over the query blocks that see it (all query heads of
     its KV head)."""
@@ -146,6 +164,7 @@ def bwd_kv(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offse
     dk = torch.empty_like(k, dtype=_buffer_dtype(k.dtype))
     dv = torch.empty_like(v, dtype=_buffer_dtype(v.dtype))
     cfg = config_for("bwd_kv", d)
+    meta = _meta(q, v, mask, k, dout, dk, dv)
     plan = _plan(mask, positions, cfg, True, q_offset)
     flashmask_bwd_kv_kernel[(plan.num_outer * b * hkv,)](
         q, k, v, dout, lse, delta, dk, dv, mask.fms, mask.fme,
@@ -155,7 +174,7 @@ def bwd_kv(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offse
         mask.fms.stride(0), mask.fms.stride(1),
         Hkv=hkv, num_k_blocks=plan.num_outer, qk_scale=scale * LOG2E, scale=scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_meta(q, v, mask, k, dout, dk, dv),
+        TMA=cfg.tma and _tma_ready(q, dout), **meta,
     )
     return dk.to(k.dtype), dv.to(v.dtype)
 

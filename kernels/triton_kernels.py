@@ -165,16 +165,22 @@ def _bwd_kv_tile(
     b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, POS, fm_s, fm_e, qb, offs_n, Nq, Nk,
     stride_qn, stride_don, qk_scale, offs_d, offs_dv,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, M_INT: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
 ):
     # Works on transposed tiles (keys x queries) so that no register tile needs a transpose:
-    # only the loaded q block is read transposed.
+    # only the loaded q block is read transposed. With TMA, p_q / p_do are tensor descriptors of this
+    # head's [Nq, D] rows: the copy engine fetches the tiles (rows past Nq read as zeros) and no
+    # per-element address lives in registers.
     offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
     if WIDE:
         offs_m = offs_m.to(tl.int64)
     in_m = offs_m < Nq
-    b_qt = tl.load(p_q + offs_m[None, :] * stride_qn + offs_d[:, None], mask=in_m[None, :] & (offs_d[:, None] < D), other=0.0)
-    b_do = tl.load(p_do + offs_m[:, None] * stride_don + offs_dv[None, :], mask=in_m[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    if TMA:
+        b_qt = tl.trans(p_q.load([qb * BLOCK_M, 0]))
+        b_do = p_do.load([qb * BLOCK_M, 0])
+    else:
+        b_qt = tl.load(p_q + offs_m[None, :] * stride_qn + offs_d[:, None], mask=in_m[None, :] & (offs_d[:, None] < D), other=0.0)
+        b_do = tl.load(p_do + offs_m[:, None] * stride_don + offs_dv[None, :], mask=in_m[:, None] & (offs_dv[None, :] < DV), other=0.0)
     if UPCAST:
         b_qt = b_qt.to(tl.float32)
         b_do = b_do.to(tl.float32)
@@ -205,7 +211,7 @@ def flashmask_bwd_kv_kernel(
     Nq, Nk, Hq, Hkv, Hm, Bm, num_k_blocks, q_per_kv, q_per_mask_head, qk_scale, scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    WIDE: tl.constexpr,
+    WIDE: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_n, pid_bh = _program_ids(ORDER, num_k_blocks, WIDE)
     b = pid_bh // Hkv
@@ -231,6 +237,9 @@ def flashmask_bwd_kv_kernel(
         row = (mb * Hm + mh) * num_k_blocks + pid_n
         p_q = Q + b * stride_qb + h * stride_qh
         p_do = DO + b * stride_dob + h * stride_doh
+        if TMA:  # the launcher checked D == BLOCK_D, DV == BLOCK_DV and 16-byte alignment
+            p_q = tl.make_tensor_descriptor(p_q, shape=[Nq, D], strides=[stride_qn, 1], block_shape=[BLOCK_M, BLOCK_D])
+            p_do = tl.make_tensor_descriptor(p_do, shape=[Nq, DV], strides=[stride_don, 1], block_shape=[BLOCK_M, BLOCK_DV])
         p_lse = LSE + (b * Hq + h) * Nq
         p_delta = DELTA + (b * Hq + h) * Nq
         fm_s = FMS + mb * stride_mb + mh * stride_mh
@@ -243,7 +252,7 @@ def flashmask_bwd_kv_kernel(
             for qb in range(qb0, qb1):
                 b_dk, b_dv = _bwd_kv_tile(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, POS, fm_s, fm_e, qb,
                                           offs_n, Nq, Nk, stride_qn, stride_don, qk_scale,
-                                          offs_d, offs_dv, D, DV, BLOCK_M, M_INT, False, UPCAST, PREC, WIDE)
+                                          offs_d, offs_dv, D, DV, BLOCK_M, M_INT, False, UPCAST, PREC, WIDE, TMA)
         r0 = tl.load(PART_OFF + row)
         r1 = tl.load(PART_OFF + row + 1)
         for r in range(r0, r1):
@@ -252,7 +261,7 @@ def flashmask_bwd_kv_kernel(
             for qb in range(qb0, qb1):
                 b_dk, b_dv = _bwd_kv_tile(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, POS, fm_s, fm_e, qb,
                                           offs_n, Nq, Nk, stride_qn, stride_don, qk_scale,
-                                          offs_d, offs_dv, D, DV, BLOCK_M, M_INT, True, UPCAST, PREC, WIDE)
+                                          offs_d, offs_dv, D, DV, BLOCK_M, M_INT, True, UPCAST, PREC, WIDE, TMA)
     tl.store(DK + b * stride_dkb + kvh * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
              (b_dk * scale).to(DK.dtype.element_ty), mask=in_n[:, None] & (offs_d[None, :] < D))
     tl.store(DV_OUT + b * stride_dvb + kvh * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :],

@@ -2,12 +2,12 @@
 
     python launch/bench/triton_bwd.py --ns 16384 65536 --masks docs dpo sliding prefix
 
-For each mask (B=1, H=16, D=128 bf16, kernel.py's builders; on a machine without a GPU it runs through Triton's
-interpreter, ``TRITON_INTERPRET=1``, as a smoke test of the script only) and each backward variant it times, as
-min / median / max over repeats (``triton.testing.do_bench``):
+For each mask (B=1, H=16, D=128 bf16, kernel.py's builders; without a GPU it runs through Triton's
+interpreter, ``TRITON_INTERPRET=1``, as a smoke test of the script only) and each backward variant
+it times, as min / median / max over repeats (``triton.testing.do_bench``):
   * ``delta``: the backward's preprocess ``rowsum(dO * O)``, as torch ops (before) and as the kernel;
   * ``bwd``: ``flashmask_bwd`` alone (preprocess + dK/dV + dQ), with ``kv`` / ``q`` each pass alone
-    where the variant runs them as two launches;
+    for the first variant (the shipped one), and every variant's gradients against the first's;
   * ``fwd+bwd``: the autograd call users make (``flashmask_attention(..., impl="triton")`` then
     ``backward``), the figure compared with Flex's compiled ``flex_attention`` forward + backward,
     timed by do_bench (L2 emptied before every call) and back to back (as a training loop runs);
@@ -41,9 +41,12 @@ from fm_parallel.kernels import triton_flashmask as tf  # noqa: E402
 # (16k) the H200 also ran both passes in one launch (FlexAttention's layout), with these shapes and
 # with Flex's (dK/dV 64 x 128, dQ 128 x 64, 8 warps, 3 or 2 stages) and 8-warp 64 x 64 ones: within
 # 2% or slower (docs/benchmarks/triton_bwd_h200_16k_one_launch.md); the one launch was removed.
+# A fifth entry True: the dK/dV pass reads Q / dO tiles through tensor descriptors (TMA).
 VARIANTS = {
     "64x64, 4 warps (shipped)": ((64, 64, 4, 2), (64, 64, 4, 2)),
     "dK/dV 64x128 8 warps 3 stages, dQ 64x64": ((64, 128, 8, 3), (64, 64, 4, 2)),
+    "64x64, 4 warps, dK/dV through TMA": ((64, 64, 4, 2, True), (64, 64, 4, 2)),
+    "dK/dV 64x128 8 warps 3 stages through TMA, dQ 64x64": ((64, 128, 8, 3, True), (64, 64, 4, 2)),
 }
 
 
@@ -88,7 +91,7 @@ def kernel_table(fn, top: int = 8) -> list[dict]:
 def with_variant(spec):
     """Install a variant's backward config; returns the restore."""
     kv, q = spec
-    saved = (tf._HOPPER["bwd_kv"][128], tf._HOPPER["bwd_q"][128])
+    saved = (tf._HOPPER["bwd_kv"][128], tf._HOPPER["bwd_q"][128])  # the first variant should be the shipped one
     tf._HOPPER["bwd_kv"][128], tf._HOPPER["bwd_q"][128] = tf.KernelConfig(*kv), tf.KernelConfig(*q)
 
     def restore():
@@ -96,7 +99,7 @@ def with_variant(spec):
     return restore
 
 
-def back_to_back(fn, calls: int = 10) -> dict:
+def back_to_back(fn, calls: int = 5) -> dict:
     """ms per call over ``calls`` calls queued back to back, as a training loop runs them (do_bench
     instead empties the L2 cache before every call and times each alone); min / median / max of 3."""
     if not torch.cuda.is_available():
@@ -142,19 +145,24 @@ def run_mask(name: str, n: int, heads: int, variants: dict, flex) -> dict:
     result["delta_kernel"] = timed(lambda: tf._delta(out, do, None))
     print(f"{name} {n}: fwd {result['fwd']['median']:.3f} ms; delta torch {result['delta_torch']['median'] * 1e3:.0f} us, "
           f"kernel {result['delta_kernel']['median'] * 1e3:.0f} us", flush=True)
+    first = None  # the first variant's gradients: every other variant must give the same
     for label, spec in variants.items():
         restore = with_variant(spec)
         try:
             row = {}
+            bwd = lambda: tf.flashmask_bwd(q.detach(), k.detach(), v.detach(), out, lse, do, fm, pos, scale, q_offset=0)  # noqa: E731
             t0 = time.perf_counter()
-            tf.flashmask_bwd(q.detach(), k.detach(), v.detach(), out, lse, do, fm, pos, scale, q_offset=0)
+            grads = bwd()
             if dev == "cuda":
                 torch.cuda.synchronize()
             row["compile_s"] = time.perf_counter() - t0
-            row["bwd"] = timed(lambda: tf.flashmask_bwd(q.detach(), k.detach(), v.detach(), out, lse, do, fm, pos, scale, q_offset=0))
-            delta = tf._delta(out, do, None)
-            row["kv"] = timed(lambda: tf.bwd_kv(q.detach(), k.detach(), v.detach(), do, lse, delta, fm, pos, scale, 0))
-            row["q"] = timed(lambda: tf.bwd_q(q.detach(), k.detach(), v.detach(), do, lse, delta, fm, pos, scale, 0))
+            first = first or grads
+            row["max_abs_diff_vs_first"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, first))
+            row["bwd"] = timed(bwd)
+            if first is grads:  # each pass alone, for the first variant
+                delta = tf._delta(out, do, None)
+                row["kv"] = timed(lambda: tf.bwd_kv(q.detach(), k.detach(), v.detach(), do, lse, delta, fm, pos, scale, 0))
+                row["q"] = timed(lambda: tf.bwd_q(q.detach(), k.detach(), v.detach(), do, lse, delta, fm, pos, scale, 0))
             row["fwdbwd"] = timed(fwd_bwd(ours))
             row["fwdbwd_back_to_back"] = back_to_back(fwd_bwd(ours))
         except Exception as e:  # noqa: BLE001  (a shape that does not fit is reported, not fatal)
@@ -164,7 +172,8 @@ def run_mask(name: str, n: int, heads: int, variants: dict, flex) -> dict:
         result["variants"][label] = row
         parts = " ".join(f"{key} {row[key]['median']:.3f}" for key in ("bwd", "kv", "q", "fwdbwd", "fwdbwd_back_to_back")
                          if key in row)
-        print(f"  {label:55s} {parts or row.get('error')} ms", flush=True)
+        diff = f" (grads vs first variant: {row['max_abs_diff_vs_first']:.1e})" if "max_abs_diff_vs_first" in row else ""
+        print(f"  {label:55s} {parts or row.get('error')} ms{diff}", flush=True)
     if flex is not None:
         t0 = time.perf_counter()
         bm = create_block_mask(mod, 1, None, n, n, device=dev, _compile=True)

@@ -211,3 +211,31 @@ def test_backward_preprocess_kernel_matches_torch():
     torch.testing.assert_close(tf._delta(strided, dout, None).double(), (strided.double() * dout.double()).sum(-1),
                                atol=1e-5, rtol=1e-5)
     assert tf._delta(out[:, :, :0], dout[:, :, :0], None).shape == (2, 3, 0)
+
+
+def test_tma_loads_in_the_dkdv_pass_match_pointer_loads(monkeypatch):
+    """Q / dO tiles read through tensor descriptors (rows past Nq zero-filled by the copy engine, a
+    ragged last block here) give the pointer loads' gradients (to float32 rounding: the interpreter
+    sums the transposed tile in another order) and the reference's; layouts descriptors cannot read
+    (a head dim that is not a power of two) fall back to pointer loads."""
+    from fm_parallel.kernels import triton_flashmask as tf
+
+    fms, fme, _ = random_intervals(1, 2, 90, 90, 2, seed=13)
+    m = FlashMask(fms, fme, 90).to(DEVICE)
+    base = tf.config_for
+
+    for d, expect_tma in ((16, True), (24, False)):
+        grads, used = [], []
+        for tma in (False, True):
+            monkeypatch.setattr(tf, "config_for", lambda kind, hd, t=tma: tf.KernelConfig(**{**base(kind, hd).__dict__, "tma": t}))
+            kernel = tf.flashmask_bwd_kv_kernel
+            monkeypatch.setattr(tf, "flashmask_bwd_kv_kernel", type("K", (), {
+                "__getitem__": lambda self, g: lambda *a, **kw: used.append(kw["TMA"]) or kernel[g](*a, **kw)})())
+            q, k, v = on_device(*qkv(1, 4, 2, 90, d, torch.float32, seed=14))
+            flashmask_attention(q, k, v, mask=m, impl="triton").sum().backward()
+            monkeypatch.setattr(tf, "flashmask_bwd_kv_kernel", kernel)
+            grads.append([x.grad for x in (q, k, v)])
+        assert used == [False, expect_tma]
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-6)
+    assert_matches_reference(run(q, k, v, m), q, k, v, m)
