@@ -38,7 +38,9 @@ class KernelConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    tma: bool = False  # dK/dV pass: Q and dO tiles through tensor descriptors (TMA) where the layout allows
+    # The tiles the pass loops over (K / V in the forward and dQ passes, Q / dO in the dK/dV pass) read
+    # through tensor descriptors (TMA) where the layout allows (_tma_ready), else pointer loads.
+    tma: bool = False
 
 
 # Hopper (H200) block shapes per pass and head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages).
@@ -102,6 +104,29 @@ def _plan_args(plan: BlockSparsePlan):
     return plan.full_offsets, plan.full_runs, plan.part_offsets, plan.part_runs, plan.order
 
 
+def _tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether tensor descriptors can read these ``[B, H, N, D]`` tensors: D a power of two of at least
+    16 bytes (the tile's width), every per-row / per-head / per-batch step and the base 16-byte
+    aligned. Also sets the scratch allocator that descriptors made inside a kernel need, if none is
+    set (a user's own allocator is kept)."""
+    for t in tensors:
+        size, d = t.element_size(), t.shape[-1]
+        if d != triton.next_power_of_2(d) or d * size < 16 or t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:3]):
+            return False
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+    return True
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for descriptors made inside kernels, on the current device (a few hundred bytes
+    per program; torch's caching allocator recycles them)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
 def flashmask_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None):
     """Forward launcher. Returns ``out [B, Hq, Nq, DV]`` (q's dtype) and ``lse [B, Hq, Nq]`` float32."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -118,7 +143,7 @@ def flashmask_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: floa
         mask.fms.stride(0), mask.fms.stride(1),
         num_q_blocks=plan.num_outer, qk_scale=scale * LOG2E,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_meta(q, v, mask, k, out),
+        TMA=cfg.tma and _tma_ready(k, v), **_meta(q, v, mask, k, out),
     )
     return out.to(q.dtype), lse
 
@@ -137,23 +162,6 @@ def _delta(out, dout, dlse):
         HAS_DLSE=dlse is not None, DV=dv, BLOCK_DV=triton.next_power_of_2(dv), BLOCK_M=block_m,
     )
     return delta
-
-
-def _tma_ready(*tensors: torch.Tensor) -> bool:
-    """Whether tensor descriptors can read these ``[B, H, N, D]`` tensors: D a power of two (the tile's
-    width), every per-row / per-head / per-batch step and the base 16-byte aligned. Also sets the
-    scratch allocator that descriptors made inside a kernel need, if none is set."""
-    for t in tensors:
-        size = t.element_size()
-        d = t.shape[-1]
-        if d != triton.next_power_of_2(d) or t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:3]):
-            return False
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):  # keep a user's own allocator
-        device = tensors[0].device
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
-    return True
 
 
 def bwd_kv(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset=None):
@@ -191,7 +199,7 @@ def bwd_q(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset
         *dq.stride()[:3], mask.fms.stride(0), mask.fms.stride(1),
         num_q_blocks=plan.num_outer, qk_scale=scale * LOG2E, scale=scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **_meta(q, v, mask, k, dout, dq),
+        TMA=cfg.tma and _tma_ready(k, v), **_meta(q, v, mask, k, dout, dq),
     )
     return dq.to(q.dtype)
 

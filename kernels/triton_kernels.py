@@ -43,14 +43,18 @@ def _visible(fm_s, fm_e, b_pos, offs_n, Nk, M_INT: tl.constexpr, KEYS_FIRST: tl.
 def _fwd_tile(
     acc, m_i, l_i, b_q, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn, qk_scale,
     offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
 ):
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     if WIDE:  # element offsets past 2^31 (see WIDE in the kernels)
         offs_n = offs_n.to(tl.int64)
     in_n = offs_n < Nk
-    b_kt = tl.load(p_k + offs_n[None, :] * stride_kn + offs_d[:, None], mask=in_n[None, :] & (offs_d[:, None] < D), other=0.0)
-    b_v = tl.load(p_v + offs_n[:, None] * stride_vn + offs_dv[None, :], mask=in_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    if TMA:  # p_k / p_v: tensor descriptors of this K/V head's [Nk, D] rows (see _bwd_kv_tile)
+        b_kt = tl.trans(p_k.load([kb * BLOCK_N, 0]))
+        b_v = p_v.load([kb * BLOCK_N, 0])
+    else:
+        b_kt = tl.load(p_k + offs_n[None, :] * stride_kn + offs_d[:, None], mask=in_n[None, :] & (offs_d[:, None] < D), other=0.0)
+        b_v = tl.load(p_v + offs_n[:, None] * stride_vn + offs_dv[None, :], mask=in_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
     if UPCAST:
         b_kt = b_kt.to(tl.float32)
         b_v = b_v.to(tl.float32)
@@ -113,7 +117,7 @@ def flashmask_fwd_kernel(
     Nq, Nk, Hq, Hm, Bm, num_q_blocks, q_per_kv, q_per_mask_head, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    WIDE: tl.constexpr,
+    WIDE: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_m, pid_bh, b, h, kvh, mb, mh, row = _query_program(ORDER, Hq, Hm, Bm, num_q_blocks, q_per_kv, q_per_mask_head, WIDE)
 
@@ -128,6 +132,9 @@ def flashmask_fwd_kernel(
     b_pos = tl.load(POS + offs_m, mask=in_m, other=-1)
     p_k = K + b * stride_kb + kvh * stride_kh
     p_v = V + b * stride_vb + kvh * stride_vh
+    if TMA:  # the launcher checked D == BLOCK_D, DV == BLOCK_DV and 16-byte alignment
+        p_k = tl.make_tensor_descriptor(p_k, shape=[Nk, D], strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
+        p_v = tl.make_tensor_descriptor(p_v, shape=[Nk, DV], strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_DV])
     fm_s = FMS + mb * stride_mb + mh * stride_mh
     fm_e = FME + mb * stride_mb + mh * stride_mh
 
@@ -142,7 +149,7 @@ def flashmask_fwd_kernel(
         kb1 = tl.load(FULL_RUNS + 2 * r + 1)
         for kb in range(kb0, kb1):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, b_q, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn,
-                                      qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, False, UPCAST, PREC, WIDE)
+                                      qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, False, UPCAST, PREC, WIDE, TMA)
     r0 = tl.load(PART_OFF + row)
     r1 = tl.load(PART_OFF + row + 1)
     for r in range(r0, r1):
@@ -150,7 +157,7 @@ def flashmask_fwd_kernel(
         kb1 = tl.load(PART_RUNS + 2 * r + 1)
         for kb in range(kb0, kb1):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, b_q, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn,
-                                      qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, True, UPCAST, PREC, WIDE)
+                                      qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, True, UPCAST, PREC, WIDE, TMA)
 
     seen = l_i > 0
     b_o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -272,14 +279,18 @@ def flashmask_bwd_kv_kernel(
 def _bwd_q_tile(
     b_dq, b_q, b_do, b_lse, b_delta, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn, qk_scale,
     offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
 ):
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     if WIDE:  # element offsets past 2^31 (see WIDE in the kernels)
         offs_n = offs_n.to(tl.int64)
     in_n = offs_n < Nk
-    b_k = tl.load(p_k + offs_n[:, None] * stride_kn + offs_d[None, :], mask=in_n[:, None] & (offs_d[None, :] < D), other=0.0)
-    b_v = tl.load(p_v + offs_n[:, None] * stride_vn + offs_dv[None, :], mask=in_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    if TMA:  # p_k / p_v: tensor descriptors of this K/V head's [Nk, D] rows (see _bwd_kv_tile)
+        b_k = p_k.load([kb * BLOCK_N, 0])
+        b_v = p_v.load([kb * BLOCK_N, 0])
+    else:
+        b_k = tl.load(p_k + offs_n[:, None] * stride_kn + offs_d[None, :], mask=in_n[:, None] & (offs_d[None, :] < D), other=0.0)
+        b_v = tl.load(p_v + offs_n[:, None] * stride_vn + offs_dv[None, :], mask=in_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
     if UPCAST:
         b_k = b_k.to(tl.float32)
         b_v = b_v.to(tl.float32)
@@ -303,7 +314,7 @@ def flashmask_bwd_q_kernel(
     Nq, Nk, Hq, Hm, Bm, num_q_blocks, q_per_kv, q_per_mask_head, qk_scale, scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    WIDE: tl.constexpr,
+    WIDE: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_m, pid_bh, b, h, kvh, mb, mh, row = _query_program(ORDER, Hq, Hm, Bm, num_q_blocks, q_per_kv, q_per_mask_head, WIDE)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -323,6 +334,9 @@ def flashmask_bwd_q_kernel(
     b_pos = tl.load(POS + offs_m, mask=in_m, other=-1)
     p_k = K + b * stride_kb + kvh * stride_kh
     p_v = V + b * stride_vb + kvh * stride_vh
+    if TMA:  # the launcher checked D == BLOCK_D, DV == BLOCK_DV and 16-byte alignment
+        p_k = tl.make_tensor_descriptor(p_k, shape=[Nk, D], strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
+        p_v = tl.make_tensor_descriptor(p_v, shape=[Nk, DV], strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_DV])
     fm_s = FMS + mb * stride_mb + mh * stride_mh
     fm_e = FME + mb * stride_mb + mh * stride_mh
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -333,7 +347,7 @@ def flashmask_bwd_q_kernel(
         kb1 = tl.load(FULL_RUNS + 2 * r + 1)
         for kb in range(kb0, kb1):
             b_dq = _bwd_q_tile(b_dq, b_q, b_do, b_lse, b_delta, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn,
-                               qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, False, UPCAST, PREC, WIDE)
+                               qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, False, UPCAST, PREC, WIDE, TMA)
     r0 = tl.load(PART_OFF + row)
     r1 = tl.load(PART_OFF + row + 1)
     for r in range(r0, r1):
@@ -341,7 +355,7 @@ def flashmask_bwd_q_kernel(
         kb1 = tl.load(PART_RUNS + 2 * r + 1)
         for kb in range(kb0, kb1):
             b_dq = _bwd_q_tile(b_dq, b_q, b_do, b_lse, b_delta, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn,
-                               qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, True, UPCAST, PREC, WIDE)
+                               qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, True, UPCAST, PREC, WIDE, TMA)
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :],
              (b_dq * scale).to(DQ.dtype.element_ty), mask=in_m[:, None] & (offs_d[None, :] < D))
 

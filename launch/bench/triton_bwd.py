@@ -12,8 +12,8 @@ it times, as min / median / max over repeats (``triton.testing.do_bench``):
     ``backward``), the figure compared with Flex's compiled ``flex_attention`` forward + backward,
     timed by do_bench (L2 emptied before every call) and back to back (as a training loop runs);
 and one profiled forward + backward of ours and of Flex (CUDA time per kernel, torch.profiler), which
-says where the difference goes. Variants: the passes' block shapes (kernels/triton_flashmask.py
-``_HOPPER``). Writes ``--tag``.json / .md under --out.
+says where the difference goes. Variants: the passes' block shapes and TMA loads
+(kernels/triton_flashmask.py ``_HOPPER``). Writes ``--tag``.json / .md under --out.
 """
 
 from __future__ import annotations
@@ -37,16 +37,17 @@ from repeats import spread  # noqa: E402
 from fm_parallel import flashmask_attention  # noqa: E402
 from fm_parallel.kernels import triton_flashmask as tf  # noqa: E402
 
-# label -> the dK/dV pass's and the dQ pass's (BLOCK_M, BLOCK_N, num_warps, num_stages). On 2026-12-03
-# (16k) the H200 also ran both passes in one launch (FlexAttention's layout), with these shapes and
-# with Flex's (dK/dV 64 x 128, dQ 128 x 64, 8 warps, 3 or 2 stages) and 8-warp 64 x 64 ones: within
-# 2% or slower (docs/benchmarks/triton_bwd_h200_16k_one_launch.md); the one launch was removed.
-# A fifth entry True: the dK/dV pass reads Q / dO tiles through tensor descriptors (TMA).
+# label -> {pass: (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma])} for the passes a variant changes
+# (kernels/triton_flashmask.py ``_HOPPER``; tma: the looped-over tiles through tensor descriptors).
+# On 2026-12-03 (16k) the H200 also ran both backward passes in one launch (FlexAttention's layout),
+# with these shapes and with Flex's (dK/dV 64 x 128, dQ 128 x 64, 8 warps, 3 or 2 stages) and 8-warp
+# 64 x 64 ones: within 2% or slower (docs/benchmarks/triton_bwd_h200_16k_one_launch.md); removed.
 VARIANTS = {
-    "64x64, 4 warps (shipped)": ((64, 64, 4, 2), (64, 64, 4, 2)),
-    "dK/dV 64x128 8 warps 3 stages, dQ 64x64": ((64, 128, 8, 3), (64, 64, 4, 2)),
-    "64x64, 4 warps, dK/dV through TMA": ((64, 64, 4, 2, True), (64, 64, 4, 2)),
-    "dK/dV 64x128 8 warps 3 stages through TMA, dQ 64x64": ((64, 128, 8, 3, True), (64, 64, 4, 2)),
+    "64x64, 4 warps (shipped)": {},
+    "dK/dV 64x128 8 warps 3 stages": {"bwd_kv": (64, 128, 8, 3)},
+    "every pass through TMA": {"fwd": (64, 64, 4, 3, True), "bwd_kv": (64, 64, 4, 2, True), "bwd_q": (64, 64, 4, 2, True)},
+    "every pass through TMA, dK/dV 64x128 8 warps 3 stages": {
+        "fwd": (64, 64, 4, 3, True), "bwd_kv": (64, 128, 8, 3, True), "bwd_q": (64, 64, 4, 2, True)},
 }
 
 
@@ -88,14 +89,15 @@ def kernel_table(fn, top: int = 8) -> list[dict]:
     return rows[:top]
 
 
-def with_variant(spec):
-    """Install a variant's backward config; returns the restore."""
-    kv, q = spec
-    saved = (tf._HOPPER["bwd_kv"][128], tf._HOPPER["bwd_q"][128])  # the first variant should be the shipped one
-    tf._HOPPER["bwd_kv"][128], tf._HOPPER["bwd_q"][128] = tf.KernelConfig(*kv), tf.KernelConfig(*q)
+def with_variant(spec: dict):
+    """Install a variant's configs (D = 128); returns the restore."""
+    saved = {kind: tf._HOPPER[kind][128] for kind in spec}
+    for kind, cfg in spec.items():
+        tf._HOPPER[kind][128] = tf.KernelConfig(*cfg)
 
     def restore():
-        tf._HOPPER["bwd_kv"][128], tf._HOPPER["bwd_q"][128] = saved
+        for kind, cfg in saved.items():
+            tf._HOPPER[kind][128] = cfg
     return restore
 
 
@@ -159,6 +161,7 @@ def run_mask(name: str, n: int, heads: int, variants: dict, flex) -> dict:
             first = first or grads
             row["max_abs_diff_vs_first"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, first))
             row["bwd"] = timed(bwd)
+            row["fwd"] = timed(ours)
             if first is grads:  # each pass alone, for the first variant
                 delta = tf._delta(out, do, None)
                 row["kv"] = timed(lambda: tf.bwd_kv(q.detach(), k.detach(), v.detach(), do, lse, delta, fm, pos, scale, 0))
@@ -170,7 +173,7 @@ def run_mask(name: str, n: int, heads: int, variants: dict, flex) -> dict:
         finally:
             restore()
         result["variants"][label] = row
-        parts = " ".join(f"{key} {row[key]['median']:.3f}" for key in ("bwd", "kv", "q", "fwdbwd", "fwdbwd_back_to_back")
+        parts = " ".join(f"{key} {row[key]['median']:.3f}" for key in ("fwd", "bwd", "kv", "q", "fwdbwd", "fwdbwd_back_to_back")
                          if key in row)
         diff = f" (grads vs first variant: {row['max_abs_diff_vs_first']:.1e})" if "max_abs_diff_vs_first" in row else ""
         print(f"  {label:55s} {parts or row.get('error')} ms{diff}", flush=True)
@@ -199,22 +202,24 @@ def run_mask(name: str, n: int, heads: int, variants: dict, flex) -> dict:
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| mask | N | variant | bwd ms | fwd+bwd ms min / median / max | vs Flex | back to back ms | vs Flex |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| mask | N | variant | fwd ms | bwd ms | fwd+bwd ms min / median / max | vs Flex | back to back ms | vs Flex |",
+             "|---|---|---|---|---|---|---|---|---|"]
     spread_of = lambda t: f"{t['min']:.3f} / {t['median']:.3f} / {t['max']:.3f}"  # noqa: E731
     for r in results:
         flex, flex_b2b = (r.get(key, {}).get("median") for key in ("flex_fwdbwd", "flex_fwdbwd_back_to_back"))
         for label, row in r["variants"].items():
             if "error" in row:
-                lines.append(f"| {r['mask']} | {r['n']} | {label} | {row['error']} | | | | |")
+                lines.append(f"| {r['mask']} | {r['n']} | {label} | {row['error']} | | | | | |")
                 continue
             fb, b2b = row["fwdbwd"], row["fwdbwd_back_to_back"]
             ratio = f"{flex / fb['median']:.2f}x" if flex else ""
             ratio_b2b = f"{flex_b2b / b2b['median']:.2f}x" if flex_b2b else ""
-            lines.append(f"| {r['mask']} | {r['n']} | {label} | {row['bwd']['median']:.3f} | {spread_of(fb)} | {ratio} | "
+            lines.append(f"| {r['mask']} | {r['n']} | {label} | {row['fwd']['median']:.3f} | {row['bwd']['median']:.3f} | "
+                         f"{spread_of(fb)} | {ratio} | "
                          f"{spread_of(b2b)} | {ratio_b2b} |")
         if flex:
-            lines.append(f"| {r['mask']} | {r['n']} | Flex (default backend) | | {spread_of(r['flex_fwdbwd'])} | 1.00x | "
+            lines.append(f"| {r['mask']} | {r['n']} | Flex (default backend) | {r['flex_fwd']['median']:.3f} | | "
+                         f"{spread_of(r['flex_fwdbwd'])} | 1.00x | "
                          f"{spread_of(r['flex_fwdbwd_back_to_back'])} | 1.00x |")
     return "\n".join(lines)
 

@@ -86,7 +86,7 @@ def _signature(kernel, constexprs: dict) -> dict:
 
 def resources(kind: str, d: int, shape: tuple[int, int, int, int], tma: bool = False) -> dict:
     """Compile one pass at one block shape for sm_90a; ptxas's registers / spills and Triton's shared memory.
-    ``tma``: the dK/dV pass reading Q / dO through tensor descriptors."""
+    ``tma``: the looped-over tiles read through tensor descriptors (``KernelConfig.tma``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -98,7 +98,7 @@ def resources(kind: str, d: int, shape: tuple[int, int, int, int], tma: bool = F
     block_m, block_n, warps, stages = shape
     const = dict(D=d, DV=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d), BLOCK_M=block_m,
                  BLOCK_N=block_n, M_INT=1, UPCAST=False, PREC="tf32", WIDE=False)
-    if kind == "bwd_kv":
+    if kind != "reference":
         const["TMA"] = tma
     src = ASTSource(fn=kernel, signature=_signature(kernel, const),
                     constexprs={(kernel.arg_names.index(n),): v for n, v in const.items()})
