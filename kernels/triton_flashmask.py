@@ -38,9 +38,6 @@ class KernelConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    # The tiles the pass loops over (K / V in the forward and dQ passes, Q / dO in the dK/dV pass) read
-    # through tensor descriptors (TMA) where the layout allows (_tma_ready), else pointer loads.
-    tma: bool = False
 
 
 # Hopper (H200) block shapes per pass and head dim: (BLOCK_M, BLOCK_N, num_warps, num_stages).
@@ -104,29 +101,6 @@ def _plan_args(plan: BlockSparsePlan):
     return plan.full_offsets, plan.full_runs, plan.part_offsets, plan.part_runs, plan.order
 
 
-def _tma_ready(*tensors: torch.Tensor) -> bool:
-    """Whether tensor descriptors can read these ``[B, H, N, D]`` tensors: D a power of two of at least
-    16 bytes (the tile's width), every per-row / per-head / per-batch step and the base 16-byte
-    aligned. Also sets the scratch allocator that descriptors made inside a kernel need, if none is
-    set (a user's own allocator is kept)."""
-    for t in tensors:
-        size, d = t.element_size(), t.shape[-1]
-        if d != triton.next_power_of_2(d) or d * size < 16 or t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:3]):
-            return False
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_scratch)
-    return True
-
-
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global scratch for descriptors made inside kernels, on the current device (a few hundred bytes
-    per program; torch's caching allocator recycles them)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    return torch.empty(size, dtype=torch.int8, device=device)
-
-
 def flashmask_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None):
     """Forward launcher. Returns ``out [B, Hq, Nq, DV]`` (q's dtype) and ``lse [B, Hq, Nq]`` float32."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -143,7 +117,7 @@ def flashmask_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: floa
         mask.fms.stride(0), mask.fms.stride(1),
         num_q_blocks=plan.num_outer, qk_scale=scale * LOG2E,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        TMA=cfg.tma and _tma_ready(k, v), **_meta(q, v, mask, k, out),
+        **_meta(q, v, mask, k, out),
     )
     return out.to(q.dtype), lse
 
@@ -172,7 +146,6 @@ def bwd_kv(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offse
     dk = torch.empty_like(k, dtype=_buffer_dtype(k.dtype))
     dv = torch.empty_like(v, dtype=_buffer_dtype(v.dtype))
     cfg = config_for("bwd_kv", d)
-    meta = _meta(q, v, mask, k, dout, dk, dv)
     plan = _plan(mask, positions, cfg, True, q_offset)
     flashmask_bwd_kv_kernel[(plan.num_outer * b * hkv,)](
         q, k, v, dout, lse, delta, dk, dv, mask.fms, mask.fme,
@@ -182,7 +155,7 @@ def bwd_kv(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offse
         mask.fms.stride(0), mask.fms.stride(1),
         Hkv=hkv, num_k_blocks=plan.num_outer, qk_scale=scale * LOG2E, scale=scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        TMA=cfg.tma and _tma_ready(q, dout), **meta,
+        **_meta(q, v, mask, k, dout, dk, dv),
     )
     return dk.to(k.dtype), dv.to(v.dtype)
 
@@ -199,7 +172,7 @@ def bwd_q(q, k, v, dout, lse, delta, mask: FlashMask, positions, scale, q_offset
         *dq.stride()[:3], mask.fms.stride(0), mask.fms.stride(1),
         num_q_blocks=plan.num_outer, qk_scale=scale * LOG2E, scale=scale,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        TMA=cfg.tma and _tma_ready(k, v), **_meta(q, v, mask, k, dout, dq),
+        **_meta(q, v, mask, k, dout, dq),
     )
     return dq.to(q.dtype)
 
@@ -216,6 +189,9 @@ def flashmask_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale, dl
     programs start while the last dK/dV ones finish) was measured and removed too: within 2% on packed
     docs, DPO and the sliding window, 5% slower on prefix-LM (16k, launch/bench/triton_bwd.py,
     2026-12-03); the heaviest-first launch order already leaves each pass little tail to overlap.
+    Reading the looped-over tiles through TMA tensor descriptors (commit 2fff1e8) was measured and
+    removed as well: forward 19-63% slower, backward within 1% at 16k (DPO 4% faster) and mixed at 64k
+    (DPO and prefix-LM 7-9% faster, packed docs and the sliding window 3% slower; one repeat at 64k).
     """
     q, k, v, out, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, out, dout))
     delta, lse = _delta(out, dout, dlse), lse.contiguous()

@@ -43,18 +43,14 @@ def _visible(fm_s, fm_e, b_pos, offs_n, Nk, M_INT: tl.constexpr, KEYS_FIRST: tl.
 def _fwd_tile(
     acc, m_i, l_i, b_q, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn, qk_scale,
     offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr,
 ):
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     if WIDE:  # element offsets past 2^31 (see WIDE in the kernels)
         offs_n = offs_n.to(tl.int64)
     in_n = offs_n < Nk
-    if TMA:  # p_k / p_v: tensor descriptors of this K/V head's [Nk, D] rows (see _bwd_kv_tile)
-        b_kt = tl.trans(p_k.load([kb * BLOCK_N, 0]))
-        b_v = p_v.load([kb * BLOCK_N, 0])
-    else:
-        b_kt = tl.load(p_k + offs_n[None, :] * stride_kn + offs_d[:, None], mask=in_n[None, :] & (offs_d[:, None] < D), other=0.0)
-        b_v = tl.load(p_v + offs_n[:, None] * stride_vn + offs_dv[None, :], mask=in_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    b_kt = tl.load(p_k + offs_n[None, :] * stride_kn + offs_d[:, None], mask=in_n[None, :] & (offs_d[:, None] < D), other=0.0)
+    b_v = tl.load(p_v + offs_n[:, None] * stride_vn + offs_dv[None, :], mask=in_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
     if UPCAST:
         b_kt = b_kt.to(tl.float32)
         b_v = b_v.to(tl.float32)
@@ -117,7 +113,7 @@ def flashmask_fwd_kernel(
     Nq, Nk, Hq, Hm, Bm, num_q_blocks, q_per_kv, q_per_mask_head, qk_scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    WIDE: tl.constexpr, TMA: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     pid_m, pid_bh, b, h, kvh, mb, mh, row = _query_program(ORDER, Hq, Hm, Bm, num_q_blocks, q_per_kv, q_per_mask_head, WIDE)
 
@@ -132,9 +128,6 @@ def flashmask_fwd_kernel(
     b_pos = tl.load(POS + offs_m, mask=in_m, other=-1)
     p_k = K + b * stride_kb + kvh * stride_kh
     p_v = V + b * stride_vb + kvh * stride_vh
-    if TMA:  # the launcher checked D == BLOCK_D, DV == BLOCK_DV and 16-byte alignment
-        p_k = tl.make_tensor_descriptor(p_k, shape=[Nk, D], strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
-        p_v = tl.make_tensor_descriptor(p_v, shape=[Nk, DV], strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_DV])
     fm_s = FMS + mb * stride_mb + mh * stride_mh
     fm_e = FME + mb * stride_mb + mh * stride_mh
 
@@ -149,7 +142,7 @@ def flashmask_fwd_kernel(
         kb1 = tl.load(FULL_RUNS + 2 * r + 1)
         for kb in range(kb0, kb1):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, b_q, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn,
-                                      qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, False, UPCAST, PREC, WIDE, TMA)
+                                      qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, False, UPCAST, PREC, WIDE)
     r0 = tl.load(PART_OFF + row)
     r1 = tl.load(PART_OFF + row + 1)
     for r in range(r0, r1):
@@ -157,7 +150,7 @@ def flashmask_fwd_kernel(
         kb1 = tl.load(PART_RUNS + 2 * r + 1)
         for kb in range(kb0, kb1):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, b_q, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn,
-                                      qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, True, UPCAST, PREC, WIDE, TMA)
+                                      qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, True, UPCAST, PREC, WIDE)
 
     seen = l_i > 0
     b_o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -172,22 +165,16 @@ def _bwd_kv_tile(
     b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, POS, fm_s, fm_e, qb, offs_n, Nq, Nk,
     stride_qn, stride_don, qk_scale, offs_d, offs_dv,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, M_INT: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr,
 ):
     # Works on transposed tiles (keys x queries) so that no register tile needs a transpose:
-    # only the loaded q block is read transposed. With TMA, p_q / p_do are tensor descriptors of this
-    # head's [Nq, D] rows: the copy engine fetches the tiles (rows past Nq read as zeros) and no
-    # per-element address lives in registers.
+    # only the loaded q block is read transposed.
     offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
     if WIDE:
         offs_m = offs_m.to(tl.int64)
     in_m = offs_m < Nq
-    if TMA:
-        b_qt = tl.trans(p_q.load([qb * BLOCK_M, 0]))
-        b_do = p_do.load([qb * BLOCK_M, 0])
-    else:
-        b_qt = tl.load(p_q + offs_m[None, :] * stride_qn + offs_d[:, None], mask=in_m[None, :] & (offs_d[:, None] < D), other=0.0)
-        b_do = tl.load(p_do + offs_m[:, None] * stride_don + offs_dv[None, :], mask=in_m[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    b_qt = tl.load(p_q + offs_m[None, :] * stride_qn + offs_d[:, None], mask=in_m[None, :] & (offs_d[:, None] < D), other=0.0)
+    b_do = tl.load(p_do + offs_m[:, None] * stride_don + offs_dv[None, :], mask=in_m[:, None] & (offs_dv[None, :] < DV), other=0.0)
     if UPCAST:
         b_qt = b_qt.to(tl.float32)
         b_do = b_do.to(tl.float32)
@@ -218,7 +205,7 @@ def flashmask_bwd_kv_kernel(
     Nq, Nk, Hq, Hkv, Hm, Bm, num_k_blocks, q_per_kv, q_per_mask_head, qk_scale, scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    WIDE: tl.constexpr, TMA: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     pid_n, pid_bh = _program_ids(ORDER, num_k_blocks, WIDE)
     b = pid_bh // Hkv
@@ -244,9 +231,6 @@ def flashmask_bwd_kv_kernel(
         row = (mb * Hm + mh) * num_k_blocks + pid_n
         p_q = Q + b * stride_qb + h * stride_qh
         p_do = DO + b * stride_dob + h * stride_doh
-        if TMA:  # the launcher checked D == BLOCK_D, DV == BLOCK_DV and 16-byte alignment
-            p_q = tl.make_tensor_descriptor(p_q, shape=[Nq, D], strides=[stride_qn, 1], block_shape=[BLOCK_M, BLOCK_D])
-            p_do = tl.make_tensor_descriptor(p_do, shape=[Nq, DV], strides=[stride_don, 1], block_shape=[BLOCK_M, BLOCK_DV])
         p_lse = LSE + (b * Hq + h) * Nq
         p_delta = DELTA + (b * Hq + h) * Nq
         fm_s = FMS + mb * stride_mb + mh * stride_mh
@@ -259,7 +243,7 @@ def flashmask_bwd_kv_kernel(
             for qb in range(qb0, qb1):
                 b_dk, b_dv = _bwd_kv_tile(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, POS, fm_s, fm_e, qb,
                                           offs_n, Nq, Nk, stride_qn, stride_don, qk_scale,
-                                          offs_d, offs_dv, D, DV, BLOCK_M, M_INT, False, UPCAST, PREC, WIDE, TMA)
+                                          offs_d, offs_dv, D, DV, BLOCK_M, M_INT, False, UPCAST, PREC, WIDE)
         r0 = tl.load(PART_OFF + row)
         r1 = tl.load(PART_OFF + row + 1)
         for r in range(r0, r1):
@@ -268,7 +252,7 @@ def flashmask_bwd_kv_kernel(
             for qb in range(qb0, qb1):
                 b_dk, b_dv = _bwd_kv_tile(b_dk, b_dv, b_k, b_v, p_q, p_do, p_lse, p_delta, POS, fm_s, fm_e, qb,
                                           offs_n, Nq, Nk, stride_qn, stride_don, qk_scale,
-                                          offs_d, offs_dv, D, DV, BLOCK_M, M_INT, True, UPCAST, PREC, WIDE, TMA)
+                                          offs_d, offs_dv, D, DV, BLOCK_M, M_INT, True, UPCAST, PREC, WIDE)
     tl.store(DK + b * stride_dkb + kvh * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
              (b_dk * scale).to(DK.dtype.element_ty), mask=in_n[:, None] & (offs_d[None, :] < D))
     tl.store(DV_OUT + b * stride_dvb + kvh * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :],
@@ -279,18 +263,14 @@ def flashmask_bwd_kv_kernel(
 def _bwd_q_tile(
     b_dq, b_q, b_do, b_lse, b_delta, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn, qk_scale,
     offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr,
-    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr, TMA: tl.constexpr,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr,
 ):
     offs_n = kb * BLOCK_N + tl.arange(0, BLOCK_N)
     if WIDE:  # element offsets past 2^31 (see WIDE in the kernels)
         offs_n = offs_n.to(tl.int64)
     in_n = offs_n < Nk
-    if TMA:  # p_k / p_v: tensor descriptors of this K/V head's [Nk, D] rows (see _bwd_kv_tile)
-        b_k = p_k.load([kb * BLOCK_N, 0])
-        b_v = p_v.load([kb * BLOCK_N, 0])
-    else:
-        b_k = tl.load(p_k + offs_n[:, None] * stride_kn + offs_d[None, :], mask=in_n[:, None] & (offs_d[None, :] < D), other=0.0)
-        b_v = tl.load(p_v + offs_n[:, None] * stride_vn + offs_dv[None, :], mask=in_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    b_k = tl.load(p_k + offs_n[:, None] * stride_kn + offs_d[None, :], mask=in_n[:, None] & (offs_d[None, :] < D), other=0.0)
+    b_v = tl.load(p_v + offs_n[:, None] * stride_vn + offs_dv[None, :], mask=in_n[:, None] & (offs_dv[None, :] < DV), other=0.0)
     if UPCAST:
         b_k = b_k.to(tl.float32)
         b_v = b_v.to(tl.float32)
@@ -314,7 +294,7 @@ def flashmask_bwd_q_kernel(
     Nq, Nk, Hq, Hm, Bm, num_q_blocks, q_per_kv, q_per_mask_head, qk_scale, scale,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_INT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    WIDE: tl.constexpr, TMA: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     pid_m, pid_bh, b, h, kvh, mb, mh, row = _query_program(ORDER, Hq, Hm, Bm, num_q_blocks, q_per_kv, q_per_mask_head, WIDE)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -334,9 +314,6 @@ def flashmask_bwd_q_kernel(
     b_pos = tl.load(POS + offs_m, mask=in_m, other=-1)
     p_k = K + b * stride_kb + kvh * stride_kh
     p_v = V + b * stride_vb + kvh * stride_vh
-    if TMA:  # the launcher checked D == BLOCK_D, DV == BLOCK_DV and 16-byte alignment
-        p_k = tl.make_tensor_descriptor(p_k, shape=[Nk, D], strides=[stride_kn, 1], block_shape=[BLOCK_N, BLOCK_D])
-        p_v = tl.make_tensor_descriptor(p_v, shape=[Nk, DV], strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_DV])
     fm_s = FMS + mb * stride_mb + mh * stride_mh
     fm_e = FME + mb * stride_mb + mh * stride_mh
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -347,7 +324,7 @@ def flashmask_bwd_q_kernel(
         kb1 = tl.load(FULL_RUNS + 2 * r + 1)
         for kb in range(kb0, kb1):
             b_dq = _bwd_q_tile(b_dq, b_q, b_do, b_lse, b_delta, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn,
-                               qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, False, UPCAST, PREC, WIDE, TMA)
+                               qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, False, UPCAST, PREC, WIDE)
     r0 = tl.load(PART_OFF + row)
     r1 = tl.load(PART_OFF + row + 1)
     for r in range(r0, r1):
@@ -355,7 +332,7 @@ def flashmask_bwd_q_kernel(
         kb1 = tl.load(PART_RUNS + 2 * r + 1)
         for kb in range(kb0, kb1):
             b_dq = _bwd_q_tile(b_dq, b_q, b_do, b_lse, b_delta, b_pos, p_k, p_v, fm_s, fm_e, kb, Nk, stride_kn, stride_vn,
-                               qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, True, UPCAST, PREC, WIDE, TMA)
+                               qk_scale, offs_d, offs_dv, D, DV, BLOCK_N, M_INT, True, UPCAST, PREC, WIDE)
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :],
              (b_dq * scale).to(DQ.dtype.element_ty), mask=in_m[:, None] & (offs_d[None, :] < D))
 

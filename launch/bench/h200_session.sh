@@ -45,8 +45,7 @@
 #   NS="16384 65536" bash launch/bench/h200_session.sh tbwd  # carry nothing: verify_gpu --impls triton, then the
 #                                              # Triton backward piece by piece (block-shape variants) against Flex
 #                                              # at NS on MASKS (docs dpo sliding prefix; triton_bwd.py). The first
-#                                              # Flex compile on a fresh machine takes ~220 s. TMA_VERIFY_TIMEOUT=60:
-#                                              # also verify with every pass's TMA loads.
+#                                              # Flex compile on a fresh machine takes 220-260 s.
 #   bash launch/bench/h200_session.sh hostprof # carry [".fa4one", ".fa4extra"]: where a CP layer's host time goes at
 #                                              # P = 8 (cProfile of rank 0, docs and sliding + sinks, 128k, zigzag)
 #   NS="16384 65536" bash launch/bench/h200_session.sh costs   # carry [".fa4one"]: partial vs full tile cost
@@ -194,14 +193,6 @@ case "$stage" in
   tbwd)  # no FA4 needed: Triton and Flex only
     [ "${VERIFY_TIMEOUT:-100}" = 0 ] || { timeout ${VERIFY_TIMEOUT:-100} python3 launch/bench/verify_gpu.py --impls triton \
       --json "$OUT/verify_gpu_h200_triton_bwd.json" 2>&1 | tee "$OUT/verify_triton_bwd.log" | tail -3 || true; }
-    # the same cases with every pass's tiles read through TMA (KernelConfig.tma), every head dim
-    [ "${TMA_VERIFY_TIMEOUT:-0}" = 0 ] || { timeout ${TMA_VERIFY_TIMEOUT} python3 -c "
-import runpy, sys
-from fm_parallel.kernels import triton_flashmask as tf
-for kind, table in tf._HOPPER.items():
-    table.update({d: tf.KernelConfig(**{**c.__dict__, 'tma': True}) for d, c in table.items()})
-sys.argv = ['verify_gpu.py', '--impls', 'triton', '--json', '$OUT/verify_gpu_h200_triton_tma.json']
-runpy.run_path('launch/bench/verify_gpu.py', run_name='__main__')" 2>&1 | tee "$OUT/verify_triton_tma.log" | tail -3 || true; }
     timeout ${TBWD_TIMEOUT:-420} python3 launch/bench/triton_bwd.py --ns ${NS:-16384} --masks ${MASKS:-docs dpo sliding prefix} \
       --out "$OUT" --tag triton_bwd_h200${TAG:-} 2>&1 | grep -v "UserWarning\|warnings.warn" | tee "$OUT/triton_bwd.log" || true ;;
   hostprof)

@@ -12,8 +12,8 @@ it times, as min / median / max over repeats (``triton.testing.do_bench``):
     ``backward``), the figure compared with Flex's compiled ``flex_attention`` forward + backward,
     timed by do_bench (L2 emptied before every call) and back to back (as a training loop runs);
 and one profiled forward + backward of ours and of Flex (CUDA time per kernel, torch.profiler), which
-says where the difference goes. Variants: the passes' block shapes and TMA loads
-(kernels/triton_flashmask.py ``_HOPPER``). Writes ``--tag``.json / .md under --out.
+says where the difference goes. Variants: the passes' block shapes (kernels/triton_flashmask.py
+``_HOPPER``). Writes ``--tag``.json / .md under --out.
 """
 
 from __future__ import annotations
@@ -37,17 +37,14 @@ from repeats import spread  # noqa: E402
 from fm_parallel import flashmask_attention  # noqa: E402
 from fm_parallel.kernels import triton_flashmask as tf  # noqa: E402
 
-# label -> {pass: (BLOCK_M, BLOCK_N, num_warps, num_stages[, tma])} for the passes a variant changes
-# (kernels/triton_flashmask.py ``_HOPPER``; tma: the looped-over tiles through tensor descriptors).
-# On 2026-12-03 (16k) the H200 also ran both backward passes in one launch (FlexAttention's layout),
-# with these shapes and with Flex's (dK/dV 64 x 128, dQ 128 x 64, 8 warps, 3 or 2 stages) and 8-warp
-# 64 x 64 ones: within 2% or slower (docs/benchmarks/triton_bwd_h200_16k_one_launch.md); removed.
+# label -> {pass: (BLOCK_M, BLOCK_N, num_warps, num_stages)} for the passes a variant changes
+# (kernels/triton_flashmask.py ``_HOPPER``). Measured on the H200 on 2026-12-03 and removed from the
+# kernels (docs/benchmarks/README.md, "The Triton backward"): both backward passes in one launch
+# (FlexAttention's layout; triton_bwd_h200_16k_one_launch.md) and the looped-over tiles read
+# through TMA tensor descriptors (commit 2fff1e8; triton_bwd_h200.md).
 VARIANTS = {
     "64x64, 4 warps (shipped)": {},
     "dK/dV 64x128 8 warps 3 stages": {"bwd_kv": (64, 128, 8, 3)},
-    "every pass through TMA": {"fwd": (64, 64, 4, 3, True), "bwd_kv": (64, 64, 4, 2, True), "bwd_q": (64, 64, 4, 2, True)},
-    "every pass through TMA, dK/dV 64x128 8 warps 3 stages": {
-        "fwd": (64, 64, 4, 3, True), "bwd_kv": (64, 128, 8, 3, True), "bwd_q": (64, 64, 4, 2, True)},
 }
 
 

@@ -84,9 +84,8 @@ def _signature(kernel, constexprs: dict) -> dict:
     return sig
 
 
-def resources(kind: str, d: int, shape: tuple[int, int, int, int], tma: bool = False) -> dict:
-    """Compile one pass at one block shape for sm_90a; ptxas's registers / spills and Triton's shared memory.
-    ``tma``: the looped-over tiles read through tensor descriptors (``KernelConfig.tma``)."""
+def resources(kind: str, d: int, shape: tuple[int, int, int, int]) -> dict:
+    """Compile one pass at one block shape for sm_90a; ptxas's registers / spills and Triton's shared memory."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -98,13 +97,11 @@ def resources(kind: str, d: int, shape: tuple[int, int, int, int], tma: bool = F
     block_m, block_n, warps, stages = shape
     const = dict(D=d, DV=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(d), BLOCK_M=block_m,
                  BLOCK_N=block_n, M_INT=1, UPCAST=False, PREC="tf32", WIDE=False)
-    if kind != "reference":
-        const["TMA"] = tma
     src = ASTSource(fn=kernel, signature=_signature(kernel, const),
                     constexprs={(kernel.arg_names.index(n),): v for n, v in const.items()})
     t0 = time.perf_counter()
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
-    row = {"pass": kind + (" tma" if tma else ""), "d": d, "block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages,
+    row = {"pass": kind, "d": d, "block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages,
            "shared_bytes": compiled.metadata.shared, "compile_s": round(time.perf_counter() - t0, 1)}
     # ptxas -v on the PTX Triton emitted: the newest bundled ptxas that accepts its PTX version.
     with tempfile.TemporaryDirectory() as tmp:
@@ -162,7 +159,7 @@ def main() -> None:
         try:
             row = resources(kind, d, shape)
         except Exception as e:  # a shape Triton cannot build (e.g. out of resources) is a row, not a crash
-            row = {"pass": kind + (" tma" if tma else ""), "d": d, "block_m": shape[0], "block_n": shape[1], "num_warps": shape[2],
+            row = {"pass": kind, "d": d, "block_m": shape[0], "block_n": shape[1], "num_warps": shape[2],
                    "num_stages": shape[3], "fits": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
         row["current"] = chosen
         rows.append(row)

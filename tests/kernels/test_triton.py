@@ -211,39 +211,3 @@ def test_backward_preprocess_kernel_matches_torch():
     torch.testing.assert_close(tf._delta(strided, dout, None).double(), (strided.double() * dout.double()).sum(-1),
                                atol=1e-5, rtol=1e-5)
     assert tf._delta(out[:, :, :0], dout[:, :, :0], None).shape == (2, 3, 0)
-
-
-def test_tma_loads_match_pointer_loads(monkeypatch):
-    """Tiles read through tensor descriptors (K / V in the forward and dQ passes, Q / dO in the dK/dV
-    pass; rows past N zero-filled by the copy engine, a ragged last block here) give the pointer
-    loads' outputs and gradients (to float32 rounding: the interpreter sums a transposed tile in
-    another order) and the reference's; layouts descriptors cannot read (a head dim that is not a
-    power of two) fall back to pointer loads."""
-    from fm_parallel.kernels import triton_flashmask as tf
-
-    fms, fme, _ = random_intervals(1, 2, 90, 90, 2, seed=13)
-    m = FlashMask(fms, fme, 90).to(DEVICE)
-    base = tf.config_for
-    names = ("flashmask_fwd_kernel", "flashmask_bwd_kv_kernel", "flashmask_bwd_q_kernel")
-    for d, expect_tma in ((16, True), (24, False)):
-        results, used = [], []
-        for tma in (False, True):
-            monkeypatch.setattr(tf, "config_for", lambda kind, hd, t=tma: tf.KernelConfig(**{**base(kind, hd).__dict__, "tma": t}))
-            for name in names:  # record the TMA flag every launch got
-                kernel = getattr(tf, name)
-                monkeypatch.setattr(tf, name, type("K", (), {"__getitem__": lambda self, g, k=kernel: (
-                    lambda *a, **kw: used.append(kw["TMA"]) or k[g](*a, **kw))})())
-            q, k, v = on_device(*qkv(1, 4, 2, 90, d, torch.float32, seed=14))
-            out = flashmask_attention(q, k, v, mask=m, impl="triton")
-            out.sum().backward()
-            monkeypatch.undo()
-            monkeypatch.setattr(tf, "config_for", base)
-            results.append([out.detach(), *(x.grad for x in (q, k, v))])
-        assert used == [False] * 3 + [expect_tma] * 3
-        for a, b in zip(*results):
-            torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-6)
-        q64, k64, v64 = (t.detach().double().cpu().requires_grad_() for t in qkv(1, 4, 2, 90, d, torch.float32, seed=14))
-        r, _ = reference_attention(q64, k64, v64, m.to("cpu"))
-        r.sum().backward()
-        for a, b in zip(results[1], (r, q64.grad, k64.grad, v64.grad)):
-            torch.testing.assert_close(a.double().cpu(), b.detach(), atol=5e-5, rtol=1e-4)
