@@ -211,3 +211,23 @@ def test_backward_preprocess_kernel_matches_torch():
     torch.testing.assert_close(tf._delta(strided, dout, None).double(), (strided.double() * dout.double()).sum(-1),
                                atol=1e-5, rtol=1e-5)
     assert tf._delta(out[:, :, :0], dout[:, :, :0], None).shape == (2, 3, 0)
+
+
+@pytest.mark.parametrize("layout", ["broadcast_heads", "sequence_major"])
+def test_output_gradient_in_any_layout(layout):
+    """dO as autograd hands it over: broadcast over heads (stride 0, e.g. the gradient of a head
+    mean) or sequence-major ([B, N, H, D] seen as [B, H, N, D]); the preprocess and both passes read it
+    through its strides."""
+    fms, fme, _ = random_intervals(1, 1, 70, 70, 2, seed=15)
+    m = FlashMask(fms, fme, 70).to(DEVICE)
+    g = torch.Generator().manual_seed(16)
+    if layout == "broadcast_heads":
+        dout = torch.randn(1, 1, 70, 16, generator=g).expand(1, 4, 70, 16)
+    else:
+        dout = torch.randn(1, 70, 4, 16, generator=g).transpose(1, 2)
+    q, k, v = on_device(*qkv(1, 4, 2, 70, 16, torch.float32, seed=17))
+    flashmask_attention(q, k, v, mask=m, impl="triton").backward(dout.to(DEVICE))
+    q64, k64, v64 = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
+    reference_attention(q64, k64, v64, m.to("cpu"))[0].backward(dout.double())
+    for a, b in zip((q, k, v), (q64, k64, v64)):
+        torch.testing.assert_close(a.grad.double().cpu(), b.grad, atol=5e-5, rtol=1e-4)
