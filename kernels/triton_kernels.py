@@ -346,10 +346,12 @@ def flashmask_bwd_delta_kernel(
     O and dO once in their own dtype (as torch ops it wrote three float32 copies: 370 us against 48 us
     at 16 heads x 16k x 128 on the H200, launch/bench/triton_bwd.py)."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # 64-bit offsets always: a memory-bound pass pays nothing for them, and O / dO may span 2^31
+    # elements (32 heads x 1M tokens x 128), past which 32-bit offsets would wrap.
+    pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // Hq
     h = pid_bh % Hq
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     in_m = offs_m < Nq
     ld = in_m[:, None] & (offs_dv[None, :] < DV)
