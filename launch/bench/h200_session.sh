@@ -46,6 +46,10 @@
 #                                              # Triton backward piece by piece (block-shape variants) against Flex
 #                                              # at NS on MASKS (docs dpo sliding prefix; triton_bwd.py). The first
 #                                              # Flex compile on a fresh machine takes 220-260 s.
+#   NS="32768 65536" bash launch/bench/h200_session.sh trainer  # carry [".fa4one", ".fa4extra"]: the trainer by
+#                                              # attention (flashmask / Flex / SDPA dense), 8 timed steps on the same
+#                                              # rows each, total tokens over total time (trainer_attention.py; a
+#                                              # 128k row alone takes ~4 minutes of steps: its own call)
 #   bash launch/bench/h200_session.sh hostprof # carry [".fa4one", ".fa4extra"]: where a CP layer's host time goes at
 #                                              # P = 8 (cProfile of rank 0, docs and sliding + sinks, 128k, zigzag)
 #   NS="16384 65536" bash launch/bench/h200_session.sh costs   # carry [".fa4one"]: partial vs full tile cost
@@ -63,8 +67,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 stage=${1:-}
 shift || true
-case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost|cpall|dpo|next|issue21|sched|schedab|tbwd|hostprof) ;; *)
-  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost|cpall|dpo|next|issue21|sched|schedab|tbwd|hostprof" >&2; exit 2 ;; esac
+case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost|cpall|dpo|next|issue21|sched|schedab|tbwd|trainer|hostprof) ;; *)
+  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost|cpall|dpo|next|issue21|sched|schedab|tbwd|trainer|hostprof" >&2; exit 2 ;; esac
 if [ "$stage" = pack ]; then  # on this machine, not the GPU one
   tmp=$(mktemp -d); tar xJf .fa4big/libs_cu13.tar.xz -C "$tmp"
   for w in .fa4/*.whl; do python3 -m zipfile -e "$w" "$tmp"; done
@@ -195,6 +199,11 @@ case "$stage" in
       --json "$OUT/verify_gpu_h200_triton_bwd.json" 2>&1 | tee "$OUT/verify_triton_bwd.log" | tail -3 || true; }
     timeout ${TBWD_TIMEOUT:-420} python3 launch/bench/triton_bwd.py --ns ${NS:-16384} --masks ${MASKS:-docs dpo sliding prefix} \
       --out "$OUT" --tag triton_bwd_h200${TAG:-} 2>&1 | grep -v "UserWarning\|warnings.warn" | tee "$OUT/triton_bwd.log" || true ;;
+  trainer)
+    fa4
+    timeout ${TRAINER_TIMEOUT:-540} python3 launch/bench/trainer_attention.py --lengths ${NS:-32768 65536} \
+      --attention ${ATTENTIONS:-flashmask flex sdpa} --out "$OUT" --name trainer_h200${TAG:-_steady} 2>&1 \
+      | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/trainer.log" | grep -v "^step\|^ " || true ;;
   hostprof)
     fa4
     timeout ${COST_TIMEOUT:-300} python3 launch/bench/cp_layer_cost.py --out "$OUT/hostprof" --ns 131072 --ps 8 \
