@@ -215,6 +215,25 @@ def test_gpu_verification_script_runs_its_cases_on_the_cpu(tmp_path):
     assert {"out", "dq", "dk", "dv", "lse_max_abs"} <= set(rows[0])
 
 
+def test_triton_backward_benchmark_runs_on_the_cpu(tmp_path):
+    """triton_bwd.py's own logic (every piece timed, each variant's gradients against the first's, the
+    kernel table, JSON and markdown), run through Triton's interpreter so a GPU session never finds it
+    broken. The interpreter runs one block shape, so every variant's gradients equal the first's."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "bench" / "triton_bwd.py"), "--ns", "64", "--heads", "1",
+         "--masks", "sliding", "--no-flex", "--out", str(tmp_path), "--tag", "t"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert {"fwd", "delta_torch", "delta_kernel", "ours_kernels"} <= set(row)
+    first, *others = row["variants"].values()
+    assert {"fwd", "bwd", "kv", "q", "fwdbwd", "fwdbwd_back_to_back"} <= set(first) and others
+    assert all(v["max_abs_diff_vs_first"] == 0.0 for v in row["variants"].values())
+    assert all(set(v["fwdbwd"]) >= {"min", "median", "max"} for v in row["variants"].values())
+    assert "| sliding | 64 |" in (tmp_path / "t.md").read_text()
+
+
 def test_triton_static_report_compiles_for_hopper_without_a_gpu(tmp_path):
     """The static resource report behind the tuning sweep, compiled for sm_90a on this CPU: the small
     D=64 forward fits; a D=64 forward with 128 x 128 tiles on 4 warps spills (ptxas says so)."""
