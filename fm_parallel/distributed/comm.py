@@ -28,6 +28,16 @@ class RingComm:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
 
+    @property
+    def backend(self) -> str:
+        return dist.get_backend(self.group)
+
+    @property
+    def capturable(self) -> bool:
+        """Whether CUDA graphs can capture these transfers: NCCL's (stream-ordered device memory), not
+        gloo's host-staged ones."""
+        return self.backend == "nccl"
+
     def peer(self, group_rank: int) -> int:
         """Global rank of a rank of the group (p2p ops take global ranks)."""
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)

@@ -31,6 +31,8 @@ class ContextParallel:
         mesh: a 2-D DeviceMesh with dims ("ring", "ulysses") (hybrid).
         impl: the local kernel, resolved like ``flashmask_attention``'s (None = ``"auto"``).
         stats: accumulates the ring's transfer counts over calls.
+        cuda_graphs: each step's ring layers captured once and replayed (``prepare(..., cuda_graphs=True)``,
+            :mod:`fm_parallel.distributed.graphs`); ring mode on CUDA tensors over NCCL only.
 
     Per step the mask is prepared once (:class:`PreparedMask`): the first layer's call with a new
     FlashMask object makes it (one agreement across ranks), every later layer, forward and backward,
@@ -43,6 +45,7 @@ class ContextParallel:
     mesh: object = None
     impl: str | None = None
     stats: RingStats | None = None
+    cuda_graphs: bool = False
     _last: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -52,6 +55,10 @@ class ContextParallel:
             raise ValueError(f"plan: expected a ShardPlan, got {type(self.plan).__name__}")
         if self.mode == "hybrid" and self.mesh is None:
             raise ValueError("mesh: expected a 2-D DeviceMesh ('ring', 'ulysses') for mode='hybrid', got None")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs: expected a bool, got {self.cuda_graphs!r}")
+        if self.cuda_graphs and self.mode != "ring":
+            raise ValueError(f"cuda_graphs: expected mode='ring' (Ulysses and hybrid run eagerly), got mode={self.mode!r}")
         if self.impl is not None and self.impl not in backends.names():  # the device decides the rest, per call
             raise ValueError(f"impl: expected one of {backends.names()}, got {self.impl!r}")
 
@@ -61,7 +68,8 @@ class ContextParallel:
         structure there without a device sync."""
         from fm_parallel.distributed.prepared import prepare
 
-        prepared = prepare(mask, self.plan, self.group, mesh=self.mesh if self.mode == "hybrid" else None, device=device)
+        prepared = prepare(mask, self.plan, self.group, mesh=self.mesh if self.mode == "hybrid" else None, device=device,
+                           cuda_graphs=self.cuda_graphs)
         self._remember(prepared)
         return prepared
 
@@ -82,7 +90,8 @@ class ContextParallel:
             if known is not None and known[0]() is mask and (mask.fms._version, mask.fme._version) == known[1:]:
                 return self._last[1]
         mesh = self.mesh if self.mode == "hybrid" else None
-        if isinstance(mask, FlashMask) and mask.device != q.device:  # the loader's host mask: moved once
+        if isinstance(mask, FlashMask) and (mask.device != q.device or self.cuda_graphs):
+            # the loader's host mask, moved once (or a mask for CUDA graphs, which prepare() sets up)
             return self.prepare(mask, device=q.device)
         prepared, _, _ = for_call(q, k, v, mask, self.plan, self.group, mesh=mesh)
         self._remember(prepared)

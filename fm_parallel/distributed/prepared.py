@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from fm_parallel.distributed.comm import RingComm, check_agreement, check_cp_inputs
+from fm_parallel.distributed.graphs import LayerGraphs
 from fm_parallel.distributed.sharding import ShardPlan, pair_table_and_key_windows
 from fm_parallel.masks.flashmask import FlashMask
 
@@ -55,10 +56,12 @@ class PreparedMask:
         rows: this rank's global query rows, ``[N / P]`` int32 on the device.
         local_rows: ``arange(N / P)`` int32 on the device, the rows the column masks are written in.
         counters: how often derived data was built (``columns``, ``agreements``), for tests and benchmarks.
+        graphs: the step's :class:`~fm_parallel.distributed.graphs.LayerGraphs` (the ring's layers
+            captured once and replayed) when prepared with ``cuda_graphs=True``, else None.
     """
 
     def __init__(self, mask: FlashMask, plan: ShardPlan, rank: int, device: torch.device,
-                 host_mask: FlashMask | None = None):
+                 host_mask: FlashMask | None = None, cuda_graphs: bool = False):
         _check_mask_and_plan(mask, plan)
         try:  # ints of any kind (numpy's too), not bools or floats
             index = None if isinstance(rank, bool) else operator.index(rank)
@@ -67,6 +70,11 @@ class PreparedMask:
         if index is None or not 0 <= index < plan.world_size:
             raise ValueError(f"rank: expected an int in [0, {plan.world_size}) (the plan's ranks), got {rank!r}")
         rank = index
+        if not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs: expected a bool, got {cuda_graphs!r}")
+        if cuda_graphs and torch.device(device).type != "cuda":
+            raise ValueError(f"cuda_graphs: expected q / k / v on a CUDA device for CUDA graphs, got device {device}")
+        self.graphs = LayerGraphs() if cuda_graphs else None
         self.mask, self.plan, self.rank, self.device = mask, plan, rank, device
         # The mask where the loader built it (the CPU), if it was there: the diagonal chunk learns its
         # document structure from it without a device sync.
@@ -197,7 +205,8 @@ def _mesh_groups(mesh) -> list | None:
     return [mesh.get_group("ulysses"), mesh.get_group("ring")] if mesh is not None else None
 
 
-def prepare(mask: FlashMask, plan: ShardPlan, group=None, *, mesh=None, device=None) -> PreparedMask:
+def prepare(mask: FlashMask, plan: ShardPlan, group=None, *, mesh=None, device=None,
+            cuda_graphs: bool = False) -> PreparedMask:
     """Prepare ``mask`` under ``plan`` for this rank, once per step; pass the result to the attention
     of every layer in place of the mask. Collective: every rank of the group (grid) calls it, and a
     rank whose mask or plan is bad, or differs from its peers', makes every rank raise the same error.
@@ -208,10 +217,15 @@ def prepare(mask: FlashMask, plan: ShardPlan, group=None, *, mesh=None, device=N
         group: the context-parallel group (ring, Ulysses; default: the world).
         mesh: the 2-D ``("ring", "ulysses")`` DeviceMesh instead (hybrid).
         device: where the layers' q / k / v live (default: the mask's device); the mask is moved there.
+        cuda_graphs: the ring's forward and backward captured as CUDA graphs by the second layer of
+            the step and replayed by every later one (:mod:`fm_parallel.distributed.graphs`: host
+            time per layer of a replay instead of the launchers', for about 1 ms of extra copies per
+            layer at 32k local tokens). Ring mode, CUDA tensors and an NCCL group only.
     Raises:
-        ValueError: a bad or disagreeing mask or plan (named), or no initialised process group.
+        ValueError: a bad or disagreeing mask or plan (named), no initialised process group, or
+            ``cuda_graphs`` where graphs cannot run (a mesh, a non-CUDA device, a gloo group).
     """
-    return _prepare(mask, plan, group, mesh=mesh, device=device, check=True)
+    return _prepare(mask, plan, group, mesh=mesh, device=device, check=True, cuda_graphs=cuda_graphs)
 
 
 def _check_mask_and_plan(mask, plan) -> None:
@@ -229,10 +243,11 @@ def _check_sizes(mask: FlashMask, plan: ShardPlan) -> None:
         raise ValueError(f"mask: expected a self-attention mask of {plan.num_tokens} rows (the plan's N), got {mask.num_rows}")
 
 
-def _prepare(mask, plan, group=None, *, mesh=None, device=None, check: bool) -> PreparedMask:
+def _prepare(mask, plan, group=None, *, mesh=None, device=None, check: bool, cuda_graphs: bool = False) -> PreparedMask:
     if not dist.is_initialized():
         _check_mask_and_plan(mask, plan)
         raise ValueError("group: expected an initialised torch.distributed process group, got none")
+
     if mesh is not None:
         names = getattr(mesh, "mesh_dim_names", None)
         if names is None or tuple(names) != ("ring", "ulysses"):
@@ -251,13 +266,30 @@ def _prepare(mask, plan, group=None, *, mesh=None, device=None, check: bool) -> 
             _check_sizes(mask, plan)
         except ValueError as e:
             problem = str(e)
-    if check:
-        values = [0, 0] if problem else [mask.digest(), plan.digest()]
-        check_agreement(values, ["mask", "plan"], group, problem=problem, groups=groups)
+    device = (mask.device if device is None else torch.device(device)) if isinstance(mask, FlashMask) else None
+    problem = problem or _graphs_problem(cuda_graphs, mesh, group, device)
+    if check:  # every rank joins, so a rank's problem (or a disagreement) raises on all of them
+        values = [0, 0, 0] if problem else [mask.digest(), plan.digest(), int(cuda_graphs)]
+        check_agreement(values, ["mask", "plan", "cuda_graphs"], group, problem=problem, groups=groups)
     elif problem:
         raise ValueError(problem)
-    device = mask.device if device is None else torch.device(device)
-    return PreparedMask(mask.to(device), plan, rank, device, host_mask=mask)
+    return PreparedMask(mask.to(device), plan, rank, device, host_mask=mask, cuda_graphs=cuda_graphs)
+
+
+def _graphs_problem(cuda_graphs, mesh, group, device) -> str | None:
+    """Why ``cuda_graphs`` cannot run here (a message), or None."""
+    if not isinstance(cuda_graphs, bool):
+        return f"cuda_graphs: expected a bool, got {cuda_graphs!r}"
+    if not cuda_graphs:
+        return None
+    if mesh is not None:
+        return "cuda_graphs: expected the ring (a group, no mesh), got a hybrid mesh; prepare without cuda_graphs"
+    if device is None or device.type != "cuda":
+        return f"cuda_graphs: expected q / k / v on a CUDA device for CUDA graphs, got device {device}"
+    if dist.get_backend(group) != "nccl":
+        return (f"cuda_graphs: expected an NCCL group (its transfers can be captured), got "
+                f"{dist.get_backend(group)!r}; prepare without cuda_graphs")
+    return None
 
 
 def local_rows(columns: FlashMask, rows: torch.Tensor) -> FlashMask:

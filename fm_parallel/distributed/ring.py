@@ -15,6 +15,7 @@ where the table says the pair exists.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -47,6 +48,23 @@ class _Ring:
         self.comm = comm  # RingComm (launch/bench/cp_layer_cost.py passes a one-process stand-in)
         self.needed = prepared.needed  # needed[r][j]: rank r's queries see rank j's keys
         self.rank, self.world = self.comm.rank, self.comm.world_size
+        self.graphs = prepared.graphs  # LayerGraphs when the step asked for CUDA graphs
+        if self.graphs is not None and not getattr(comm, "capturable", False):
+            raise ValueError("cuda_graphs: expected a transport CUDA graphs can capture (NCCL), got "
+                             f"{getattr(comm, 'backend', type(comm).__name__)}; prepare the mask without cuda_graphs")
+
+    def run(self, phase: str, fn, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``fn(self, *inputs)``: eagerly, or through the step's CUDA graphs (:mod:`.graphs`)."""
+        if self.graphs is None:
+            return fn(self, *inputs)
+        key = (self.scale, id(self.backend), id(self.comm), self.rank)
+        return self.graphs.run(phase, lambda *t: fn(self._counting(t[-1]), *t[:-1]), inputs, key, self.stats, RingStats)
+
+    def _counting(self, stats) -> "_Ring":
+        """This ring counting into ``stats`` (a capture counts one run's transfers apart)."""
+        ring = copy.copy(self)
+        ring.stats = stats
+        return ring
 
     def launch_args(self, source: int) -> tuple[slice, dict]:
         """The rows of this rank that see ``source``'s keys (a slice of the local rows) and the launcher
@@ -151,32 +169,78 @@ class _Sum:
         return torch.zeros_like(like) if self.value is None else self.value.to(like.dtype)
 
 
+def _forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``(out [B, Hq, n, Dv], lse [B, Hq, n] float32 / float64)`` over every chunk it sees."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # Two chunks merge in float32 and round once into q's dtype; more keep a float32 running output.
+    running = acc if ring.chunks_seen() > 2 else q.dtype
+    n = q.shape[2]
+    out = lse = None
+    for _, src, chunk in ring.kv_chunks(k, v):
+        if chunk is None:
+            continue
+        rows, args = ring.launch_args(src)
+        o, l = ring.backend.forward(q[:, :, rows], chunk[0], chunk[1], scale=ring.scale, **args)
+        if out is None and rows == slice(0, n):  # the first chunk's result as it is
+            out, lse = o, l.to(acc)
+            continue
+        if out is None:  # the first chunk seen covers some rows only
+            out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=running, device=q.device)
+            lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        elif out.dtype != running:
+            out = out.to(running)
+        merge_into(out[:, :, rows], lse[:, :, rows], out[:, :, rows], lse[:, :, rows], o, l)
+    if out is None:  # this rank's queries see no key at all
+        out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    out = out.to(q.dtype)
+    return out, lse
+
+
+def _backward(ring: _Ring, q, k, v, out, lse, dout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of this rank's tensors: its queries' over every chunk they saw, its keys' summed
+    over every rank that used them (returned through the ring)."""
+    me = ring.rank
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = lse if lse.dtype == torch.float64 else lse.float()
+    dq = _Sum(acc, ring.chunks_seen())
+    dk, dv = _Sum(acc, ring.users_of_mine()), _Sum(acc, ring.users_of_mine())
+    grads_in_flight = []  # (requests, received dK, received dV)
+    for step, src, chunk in ring.kv_chunks(k, v):
+        dst = ring.comm.send_to(step)
+        part = None
+        if chunk is not None:
+            rows, args = ring.launch_args(src)
+            dq_s, dk_s, dv_s = ring.backend.backward(q[:, :, rows], chunk[0], chunk[1], out[:, :, rows],
+                                                     lse[:, :, rows], dout[:, :, rows], scale=ring.scale, **args)
+            dq.add(dq_s, rows, q)
+            part = (dk_s.contiguous(), dv_s.contiguous())
+        if step == 0:
+            if part is not None:
+                mine = slice(*ring.prepared.key_window(me))
+                dk.add(part[0], mine, k)
+                dv.add(part[1], mine, v)
+            continue
+        # Return the chunk's gradients to its owner; collect mine from the ranks that used my keys
+        # (each the window of my keys it saw).
+        sends = [(part[0], src), (part[1], src)] if part is not None else []
+        window = ring.prepared.sent_window(dst)
+        bufs = _buffers(k, v, window) if ring.needed[dst][me] else None
+        recvs = [(bufs[0], dst), (bufs[1], dst)] if bufs else []
+        ring._count(sends, skipped=0 if sends else 1)
+        grads_in_flight.append((ring.comm.exchange(sends, recvs), bufs, slice(*window), part))
+    for reqs, bufs, window, _ in grads_in_flight:
+        ring.comm.wait(reqs)
+        if bufs is not None:
+            dk.add(bufs[0], window, k)
+            dv.add(bufs[1], window, v)
+    return dq.result(q), dk.result(k), dv.result(v)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring):
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        # Two chunks merge in float32 and round once into q's dtype; more keep a float32 running output.
-        running = acc if ring.chunks_seen() > 2 else q.dtype
-        n = q.shape[2]
-        out = lse = None
-        for _, src, chunk in ring.kv_chunks(k, v):
-            if chunk is None:
-                continue
-            rows, args = ring.launch_args(src)
-            o, l = ring.backend.forward(q[:, :, rows], chunk[0], chunk[1], scale=ring.scale, **args)
-            if out is None and rows == slice(0, n):  # the first chunk's result as it is
-                out, lse = o, l.to(acc)
-                continue
-            if out is None:  # the first chunk seen covers some rows only
-                out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=running, device=q.device)
-                lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-            elif out.dtype != running:
-                out = out.to(running)
-            merge_into(out[:, :, rows], lse[:, :, rows], out[:, :, rows], lse[:, :, rows], o, l)
-        if out is None:  # this rank's queries see no key at all
-            out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
-            lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-        out = out.to(q.dtype)
+        out, lse = ring.run("forward", _forward, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
         return out
@@ -184,43 +248,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring = ctx.ring
-        me = ring.rank
-        dout = dout.contiguous()
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        lse = lse if lse.dtype == torch.float64 else lse.float()
-        dq = _Sum(acc, ring.chunks_seen())
-        dk, dv = _Sum(acc, ring.users_of_mine()), _Sum(acc, ring.users_of_mine())
-        grads_in_flight = []  # (requests, received dK, received dV)
-        for step, src, chunk in ring.kv_chunks(k, v):
-            dst = ring.comm.send_to(step)
-            part = None
-            if chunk is not None:
-                rows, args = ring.launch_args(src)
-                dq_s, dk_s, dv_s = ring.backend.backward(q[:, :, rows], chunk[0], chunk[1], out[:, :, rows],
-                                                         lse[:, :, rows], dout[:, :, rows], scale=ring.scale, **args)
-                dq.add(dq_s, rows, q)
-                part = (dk_s.contiguous(), dv_s.contiguous())
-            if step == 0:
-                if part is not None:
-                    mine = slice(*ring.prepared.key_window(me))
-                    dk.add(part[0], mine, k)
-                    dv.add(part[1], mine, v)
-                continue
-            # Return the chunk's gradients to its owner; collect mine from the ranks that used my keys
-            # (each the window of my keys it saw).
-            sends = [(part[0], src), (part[1], src)] if part is not None else []
-            window = ring.prepared.sent_window(dst)
-            bufs = _buffers(k, v, window) if ring.needed[dst][me] else None
-            recvs = [(bufs[0], dst), (bufs[1], dst)] if bufs else []
-            ring._count(sends, skipped=0 if sends else 1)
-            grads_in_flight.append((ring.comm.exchange(sends, recvs), bufs, slice(*window), part))
-        for reqs, bufs, window, _ in grads_in_flight:
-            ring.comm.wait(reqs)
-            if bufs is not None:
-                dk.add(bufs[0], window, k)
-                dv.add(bufs[1], window, v)
-        return dq.result(q), dk.result(k), dv.result(v), None
+        dq, dk, dv = ctx.ring.run("backward", _backward, q, k, v, out, lse, dout.contiguous())
+        return dq, dk, dv, None
 
 
 def ring_attention(

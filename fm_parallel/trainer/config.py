@@ -103,6 +103,8 @@ class ParallelConfig:
     impl: str = _key("", "attention kernel (" + " | ".join(_CP_IMPLS) + "), with or without CP; empty: automatic",
                      choices=("", *_CP_IMPLS),
                      choices_text=", ".join(n for n in _CP_IMPLS if n != "auto") + " or empty (automatic; 'auto' is the same)")
+    cuda_graphs: bool = _key(False, "ring CP only, CUDA + NCCL: each step's attention layers captured once as CUDA graphs "
+                                    "and replayed (less host time per layer, about 1 ms more copies per layer)")
     timeout_s: float = _key(600.0, "seconds a collective may wait for a peer before the run fails (a dead or stuck rank)",
                             low=0.0, low_open=True)
 
@@ -218,6 +220,8 @@ def _check_relations(cfg: Config) -> None:
             raise ConfigError(f"model.hidden_size: expected a multiple of model.heads = {m.heads}, got {m.hidden_size}")
     if not [t for t in m.lora_targets.split(",") if t.strip()]:
         raise ConfigError(f"model.lora_targets: expected at least one module name, got {m.lora_targets!r}")
+    if p.cuda_graphs and p.cp != "ring":
+        raise ConfigError(f"parallel.cuda_graphs: expected parallel.cp ring (Ulysses and hybrid run eagerly), got cp {p.cp}")
     if p.cp != "hybrid" and p.ulysses_degree != 1:
         raise ConfigError(f"parallel.ulysses_degree: expected 1 unless parallel.cp is hybrid, got {p.ulysses_degree} with cp {p.cp}")
     if not cfg.output.dir.strip():

@@ -444,7 +444,8 @@ def _row_loss(cfg: Config, model, row: Row, mode, group, mesh, cp: int, cp_rank:
     if cp > 1:
         plan = shard(row.mask, cp, cfg.parallel.balance)
         ctx = ContextParallel(mode, plan, group=None if mode == "hybrid" else group,
-                              mesh=group if mode == "hybrid" else None, impl=cfg.parallel.impl or None)
+                              mesh=group if mode == "hybrid" else None, impl=cfg.parallel.impl or None,
+                              cuda_graphs=cfg.parallel.cuda_graphs)
         # The step's mask prepared once, from the loader's host mask (its digest hashed there, the ranks'
         # agreement, the pair table, column masks; launch plans on the first layer); every layer of the
         # policy and reference passes, forward and backward, reuses it.

@@ -27,8 +27,14 @@ The scaling model (written with its assumptions to ``--out/cp_scaling_model_<dev
 ``.md``): per rank and ring step, the measured kernel time against the transfer time of the bytes
 that step moves (K/V forward; K/V again and dK/dV back in the backward) at ``--link-gbs`` GB/s per
 direction, each step overlapping its compute with the next step's transfer, as the ring posts them;
-a layer ends when the slowest rank does. Predicted effective TF/GPU (visible pairs, 3.5 x forward
-FLOPs for forward + backward) against the single-GPU kernel on the whole sequence, same process.
+a layer ends when the slowest rank does, and never before rank 0's host time (a host-bound layer
+makes the GPU wait). Predicted effective TF/GPU (visible pairs, 3.5 x forward FLOPs for forward +
+backward) against the single-GPU kernel on the whole sequence, same process.
+
+``--graphs`` also runs the host ranks' layers captured as CUDA graphs (``prepare(...,
+cuda_graphs=True)``: the step's second layer captures, later ones replay): their host ms, the device
+work the graphs add (copies into the static inputs, clones of the outputs) and the same model with
+both (the "graphed" columns).
 """
 
 from __future__ import annotations
@@ -52,7 +58,10 @@ from launch.bench.repeats import spread  # noqa: E402
 
 class Loopback:
     """Rank ``rank`` of ``world`` in one process: what the ring asks of :class:`RingComm`. A receive is
-    a copy of the peer's tensor of the same role (its K / V, or stand-in gradients of the same shape)."""
+    a copy of the peer's tensor of the same role (its K / V, or stand-in gradients of the same shape).
+    A device copy, so CUDA graphs capture it (``--graphs``), as they would NCCL's transfers."""
+
+    capturable = True
 
     def __init__(self, rank: int, world: int, chunks: list[tuple[torch.Tensor, torch.Tensor]]):
         self.rank, self.world_size, self.chunks = rank, world, chunks
@@ -118,8 +127,11 @@ def build_masks(n: int) -> dict:
     }
 
 
-def rank_layer(args, mask, plan, rank, q, k, v, dout, impl, per_call: bool, timer_record: bool, device, host_mask=None):
-    """One layer (forward + backward) of ``rank``'s ring on this process; returns the step timer."""
+def rank_layer(args, mask, plan, rank, q, k, v, dout, impl, per_call: bool, timer_record: bool, device, host_mask=None,
+               graphs: bool = False):
+    """One layer (forward + backward) of ``rank``'s ring on this process; returns the step timer.
+    ``graphs``: the step's layers captured as CUDA graphs (the second call captures, later ones replay;
+    ``layer.state["prepared"].graphs.counters`` says what ran)."""
     from fm_parallel import backends
     from fm_parallel.distributed.prepared import PreparedMask
     from fm_parallel.distributed.ring import RingStats, _Ring, _RingAttention
@@ -131,17 +143,19 @@ def rank_layer(args, mask, plan, rank, q, k, v, dout, impl, per_call: bool, time
     dl = plan.shard(dout, rank, 2)
     backend = StepTimer(backends.get(impl), timer_record)
     state = {"prepared": None}
+    comm = Loopback(rank, world, chunks)  # one per rank: the graphs' signature holds the transport
 
     def layer():
         prepared = state["prepared"]
         if prepared is None or per_call:
-            prepared = PreparedMask(mask, plan, rank, device, host_mask=host_mask)  # as prepare() makes it
+            prepared = PreparedMask(mask, plan, rank, device, host_mask=host_mask, cuda_graphs=graphs)  # as prepare() makes it
             state["prepared"] = prepared
-        ring = _Ring(prepared, Loopback(rank, world, chunks), 1.0 / math.sqrt(q.shape[-1]), backend, RingStats())
+        ring = _Ring(prepared, comm, 1.0 / math.sqrt(q.shape[-1]), backend, RingStats())
         out = _RingAttention.apply(ql, kl, vl, ring)
         out.backward(dl)
         return ring.stats
 
+    layer.state = state
     return layer, backend
 
 
@@ -227,6 +241,21 @@ def single_gpu_ms(mask, q, k, v, dout, impl, reps: int) -> float:
     return spread([s.elapsed_time(e) for s, e in events])["median"]
 
 
+def graphed_cost(args, mask, plan, rank, q, k, v, dout, impl, device, host_mask, eager_device_ms: float) -> dict:
+    """Rank ``rank``'s layer with the step's layers captured as CUDA graphs: host ms per layer, the
+    device work the graphs add (copies into the static inputs, clones of the outputs: the profiler's
+    total against the eager layer's ``eager_device_ms``) and the graphs' counters (captures that
+    failed ran eagerly)."""
+    layer, _ = rank_layer(args, mask, plan, rank, q, k, v, dout, impl, False, False, device, host_mask, graphs=True)
+    layer()  # eager (the step's first layer)
+    layer()  # captured, replayed
+    device_total = profile_ms(layer, args.layers)["total"]
+    host, syncs, spread_ms = host_ms(layer, args.layers, sleep_ms=max(50.0, 4 * device_total))
+    return {"host_ms": host, "host_syncs": syncs, "host_ms_spread": spread_ms, "device_total_ms": device_total,
+            "extra_device_ms": device_total - eager_device_ms,
+            "counters": dict(layer.state["prepared"].graphs.counters)}
+
+
 def predict(steps: list[dict], bytes_in: list[list[int]], serial_ms: list[float], link_gbs: float) -> float:
     """Modelled ms of one layer. Per rank and phase (forward, backward), each step's kernels overlap
     the next step's transfer and the first transfer is exposed; the backward moves the same K/V bytes
@@ -266,6 +295,8 @@ def main() -> None:
     parser.add_argument("--link-gbs", type=float, default=350.0,
                         help="assumed p2p bandwidth per direction between two GPUs, GB/s (not measurable on one GPU)")
     parser.add_argument("--cprofile", action="store_true", help="print rank 0's top host functions per configuration")
+    parser.add_argument("--graphs", action="store_true",
+                        help="also time the host ranks' layers captured as CUDA graphs (prepare(..., cuda_graphs=True))")
     parser.add_argument("--max-seconds", type=float, default=480.0, help="stop starting new configurations after this")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
@@ -352,26 +383,45 @@ def main() -> None:
                                 layer()
                             torch.cuda.synchronize()
                             entry["prepared_wall_ms"] = 1e3 * (time.perf_counter() - t0) / args.layers
+                            if args.graphs:
+                                entry["graphed"] = graphed_cost(args, mask, plan, r, q, k, v, dout, impl, device, mask_cpu,
+                                                                entry["device_ms"]["total"])
                         per_rank.append(entry)
                         bytes_in.append([0] + [chunk_bytes if table[r, (r - s) % p] > 0 else 0 for s in range(1, p)])
                     kernel = [sum(e["step_ms"]["fwd"]) + sum(e["step_ms"]["bwd"]) for e in per_rank]
                     device_ms = [e["device_ms"]["total"] - e["device_ms"]["copy"] for e in per_rank]  # without stand-ins
                     serial = [max(0.0, d - kk) for d, kk in zip(device_ms, kernel)]
-                    pred_total = predict([e["step_ms"] for e in per_rank], bytes_in, serial, args.link_gbs)
+                    pred_device = predict([e["step_ms"] for e in per_rank], bytes_in, serial, args.link_gbs)
+                    host = per_rank[0].get("host_ms", float("nan"))
+                    # A layer whose launches take longer than its device work is host-bound: the GPU waits.
+                    pred_total = max(pred_device, host) if host == host else pred_device
                     tf_gpu = flops / p / (pred_total * 1e-3) / 1e12
                     tf_one = flops / (one * 1e-3) / 1e12
-                    host = per_rank[0].get("host_ms", float("nan"))
+                    graphed = per_rank[0].get("graphed")
+                    if graphed is not None:  # the copies in and out are device work the eager layer does not do
+                        graphed["device_ms"] = device_ms[0] + graphed["extra_device_ms"]
+                        graphed["host_over_device"] = graphed["host_ms"] / graphed["device_ms"]
+                        # every rank pays copies like rank 0's (measured on rank 0 only)
+                        serial_g = [x + graphed["extra_device_ms"] for x in serial]
+                        graphed["predicted_device_ms"] = predict([e["step_ms"] for e in per_rank], bytes_in, serial_g,
+                                                                 args.link_gbs)
+                        graphed["predicted_layer_ms"] = max(graphed["predicted_device_ms"], graphed["host_ms"])
+                        graphed["ratio"] = flops / p / (graphed["predicted_layer_ms"] * 1e-3) / 1e12 / tf_one
                     row = {"mask": mask_name, "n": n, "p": p, "balance": balance, "kernel": impl,
                            "visible_pairs": pairs, "ranks": per_rank, "kernel_ms_per_rank": kernel,
                            "device_ms_per_rank": device_ms, "chunk_bytes": chunk_bytes,
                            "transfers_per_rank": [sum(1 for b in bi if b) for bi in bytes_in],
-                           "predicted_layer_ms": pred_total, "single_gpu_ms": one,
+                           "predicted_layer_ms": pred_total, "predicted_device_ms": pred_device, "single_gpu_ms": one,
                            "predicted_tf_per_gpu": tf_gpu, "single_gpu_tf": tf_one, "ratio": tf_gpu / tf_one,
                            "host_over_kernel_rank0": host / device_ms[0] if device_ms[0] else None}
                     rows.append(row)
                     print(f"{mask_name:14s} {n:8d} {p:2d} {balance:10s} {max(device_ms):15.2f} {host:8.2f} "
                           f"{row['host_over_kernel_rank0']:11.1%} {per_rank[0].get('per_call_wall_ms', float('nan')):11.2f} "
                           f"{pred_total:8.2f} {one:9.2f} {tf_gpu:7.0f} {tf_one:8.0f} {row['ratio']:6.2f}", flush=True)
+                    if graphed is not None:
+                        print(f"{'  graphed':14s} {'':8s} {'':2s} {'':10s} {graphed['device_ms']:15.2f} {graphed['host_ms']:8.2f} "
+                              f"{graphed['host_over_device']:11.1%} {'':11s} {graphed['predicted_layer_ms']:8.2f} {'':9s} "
+                              f"{'':7s} {'':8s} {graphed['ratio']:6.2f}  {graphed['counters']}", flush=True)
             del q, k, v, dout
             torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -383,7 +433,9 @@ def main() -> None:
                    "step s); the first transfer is exposed; the backward's dK/dV return runs on the opposite direction "
                    "of the full-duplex link",
         "skew": "a layer ends when the slowest rank ends (per-rank totals from each rank's own measured steps)",
-        "host": "host time is hidden when below the layer's device time (measured per layer with the GPU kept busy)",
+        "host": "host time is hidden when below the layer's device time (measured per layer with the GPU kept busy); "
+                "a layer is max(modelled device time, rank 0's host time): above it the GPU waits for the launches "
+                "(since 2026-12-03, sixth session; earlier tables modelled the device alone)",
         "not_modelled": "NCCL launch latency per transfer (~10-20 us), contention of several rings on one NVSwitch, "
                         "the per-step agreement all-gather (once per step, not per layer)",
     }
@@ -393,12 +445,15 @@ def main() -> None:
                                                         "assumptions": assumptions, "rows": rows}, indent=1))
     lines = [f"# CP per-layer cost on one {gpu}, and the scaling it predicts", "", f"`{cmd}`", "",
              "| mask | N | P | balance | device ms/rank (max) | host ms (rank 0) | host/device | per-call prep ms | "
-             "predicted layer ms | 1-GPU ms | TF/GPU | 1-GPU TF | ratio |", "|" + "---|" * 13]
+             "predicted layer ms | 1-GPU ms | TF/GPU | 1-GPU TF | ratio | graphed: device ms, host ms, host/device, ratio |",
+             "|" + "---|" * 14]
     for r in rows:
         lines.append(f"| {r['mask']} | {r['n']} | {r['p']} | {r['balance']} | {max(r['device_ms_per_rank']):.2f} | "
                      f"{r['ranks'][0].get('host_ms', float('nan')):.2f} | {r['host_over_kernel_rank0']:.1%} | "
                      f"{r['ranks'][0].get('per_call_wall_ms', float('nan')):.2f} | {r['predicted_layer_ms']:.2f} | "
-                     f"{r['single_gpu_ms']:.2f} | {r['predicted_tf_per_gpu']:.0f} | {r['single_gpu_tf']:.0f} | {r['ratio']:.2f} |")
+                     f"{r['single_gpu_ms']:.2f} | {r['predicted_tf_per_gpu']:.0f} | {r['single_gpu_tf']:.0f} | {r['ratio']:.2f} | "
+                     + (f"{g['device_ms']:.2f}, {g['host_ms']:.2f}, {g['host_over_device']:.1%}, {g['ratio']:.2f} |"
+                        if (g := r['ranks'][0].get('graphed')) else "- |"))
     lines += ["", "Assumptions:", ""] + [f"- {k}: {v}" for k, v in assumptions.items()]
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out / stem}.json and .md")

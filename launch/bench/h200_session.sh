@@ -52,6 +52,9 @@
 #                                              # 128k row alone takes ~4 minutes of steps: its own call)
 #   bash launch/bench/h200_session.sh hostprof # carry [".fa4one", ".fa4extra"]: where a CP layer's host time goes at
 #                                              # P = 8 (cProfile of rank 0, docs and sliding + sinks, 128k, zigzag)
+#   bash launch/bench/h200_session.sh graphs   # carry [".fa4one", ".fa4extra"]: the ring's layers captured as CUDA
+#                                              # graphs: tests/distributed/test_ring_graphs.py on the GPU, then
+#                                              # cp_layer_cost.py --graphs (128k, P 4 8, docs, sliding + sinks)
 #   NS="16384 65536" bash launch/bench/h200_session.sh costs   # carry [".fa4one"]: partial vs full tile cost
 #                                                   # (cute_tile_costs.py), then cute / FA4 / Flex-FLASH at NS
 #
@@ -67,8 +70,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 stage=${1:-}
 shift || true
-case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost|cpall|dpo|next|issue21|sched|schedab|tbwd|trainer|hostprof) ;; *)
-  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost|cpall|dpo|next|issue21|sched|schedab|tbwd|trainer|hostprof" >&2; exit 2 ;; esac
+case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost|cpall|dpo|next|issue21|sched|schedab|tbwd|trainer|hostprof|graphs) ;; *)
+  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost|cpall|dpo|next|issue21|sched|schedab|tbwd|trainer|hostprof|graphs" >&2; exit 2 ;; esac
 if [ "$stage" = pack ]; then  # on this machine, not the GPU one
   tmp=$(mktemp -d); tar xJf .fa4big/libs_cu13.tar.xz -C "$tmp"
   for w in .fa4/*.whl; do python3 -m zipfile -e "$w" "$tmp"; done
@@ -204,6 +207,17 @@ case "$stage" in
     timeout ${TRAINER_TIMEOUT:-540} python3 launch/bench/trainer_attention.py --lengths ${NS:-32768 65536} \
       --attention ${ATTENTIONS:-flashmask flex sdpa} --out "$OUT" --name trainer_h200${TAG:-_steady} 2>&1 \
       | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/trainer.log" | grep -v "^step\|^ " || true ;;
+  graphs)  # the ring's layers as CUDA graphs: the GPU tests (graphed vs eager vs one GPU), then their cost
+    fa4
+    if python3 -c "import pytest" 2>/dev/null; then
+      { timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -rA -p no:cacheprovider tests/distributed/test_ring_graphs.py 2>&1 || true; } \
+        | grep -v "UserWarning\|exe_args\|warnings.warn" | tail -40 | tee "$OUT/graphs_tests.log" || true
+    else
+      echo "no pytest on this machine" | tee "$OUT/graphs_tests.log"
+    fi
+    timeout ${COST_TIMEOUT:-330} python3 launch/bench/cp_layer_cost.py --out "$OUT" --graphs \
+      ${COST_ARGS:---ns 131072 --ps 4 8 --masks docs sliding_sinks --balances zigzag --layers 3 --max-seconds 200} 2>&1 \
+      | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/cp_layer_cost_graphs.log" || true ;;
   hostprof)
     fa4
     timeout ${COST_TIMEOUT:-300} python3 launch/bench/cp_layer_cost.py --out "$OUT/hostprof" --ns 131072 --ps 8 \
