@@ -251,9 +251,13 @@ def graphed_cost(args, mask, plan, rank, q, k, v, dout, impl, device, host_mask,
     layer()  # captured, replayed
     device_total = profile_ms(layer, args.layers)["total"]
     host, syncs, spread_ms = host_ms(layer, args.layers, sleep_ms=max(50.0, 4 * device_total))
-    return {"host_ms": host, "host_syncs": syncs, "host_ms_spread": spread_ms, "device_total_ms": device_total,
-            "extra_device_ms": device_total - eager_device_ms,
-            "counters": dict(layer.state["prepared"].graphs.counters)}
+    result = {"host_ms": host, "host_syncs": syncs, "host_ms_spread": spread_ms, "device_total_ms": device_total,
+              "extra_device_ms": device_total - eager_device_ms,
+              "counters": dict(layer.state["prepared"].graphs.counters)}
+    if args.cprofile:
+        result["host_top"] = top_host(layer, args.layers, lines=25, sort=("tottime", "cumulative"))
+        print("graphed layer, rank", rank, "\n" + result["host_top"])
+    return result
 
 
 def predict(steps: list[dict], bytes_in: list[list[int]], serial_ms: list[float], link_gbs: float) -> float:
