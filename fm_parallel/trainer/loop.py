@@ -77,6 +77,12 @@ def _layout(cfg: Config):
     if cp > 1 and cfg.data.seq_len % divisor:
         raise ConfigError(f"data.seq_len: expected a multiple of {divisor} (CP degree {cp}, balance {cfg.parallel.balance}), "
                           f"got {cfg.data.seq_len}")
+    if cfg.parallel.cuda_graphs and not torch.cuda.is_available():
+        raise ConfigError("parallel.cuda_graphs: expected a CUDA run (NCCL ring; gloo's host transfers cannot be "
+                          "captured), got a CPU run")
+    if cfg.parallel.cuda_graphs and cp == 1:
+        raise ConfigError("parallel.cuda_graphs: expected a CP degree above 1 (it captures the ring's layers), got 1 "
+                          f"(cp {mode} over {world} rank{'s' if world > 1 else ''})")
     dims = ParallelDims(world, ring=cp // uly, ulysses=uly)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = dims.build_mesh(device)

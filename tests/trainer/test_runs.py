@@ -57,7 +57,10 @@ def test_user_errors_are_one_line_without_traceback(tmp_path):
         (["--model.path", str(tmp_path / "no_model")], "model.path: expected a local Hugging Face model folder"),
         (["--data.path", str(data)], f"{data}:3: expected one JSON object per line"),
         (["--data.tokenizer", str(tmp_path / "no_tok")], "data.tokenizer: expected a local Hugging Face tokenizer folder"),
+        (["--parallel.cuda_graphs", "true"], "parallel.cuda_graphs: expected parallel.cp ring"),
     ]
+    if not torch.cuda.is_available():  # CUDA graphs on a CPU run: refused before anything is built
+        cases.append((["--parallel.cp", "ring", "--parallel.cuda_graphs", "true"], "parallel.cuda_graphs: expected a CUDA run"))
     for argv, message in cases:
         assert_user_error(trainer(*TINY, "--output.dir", str(tmp_path / "out"), *argv), message)
     assert not (tmp_path / "out").exists()  # nothing was written by a run that could not start
