@@ -78,8 +78,13 @@ class _Ring:
     def chunks_seen(self) -> int:
         return sum(self.needed[self.rank])
 
-    def users_of_mine(self) -> int:
-        return sum(row[self.rank] for row in self.needed)
+    def sources(self) -> list[int]:
+        """The ranks whose keys this rank's queries see."""
+        return [s for s in range(self.world) if self.needed[self.rank][s]]
+
+    def users(self) -> list[int]:
+        """The ranks whose queries see this rank's keys."""
+        return [d for d in range(self.world) if self.needed[d][self.rank]]
 
     def post_kv(self, step: int, k: torch.Tensor, v: torch.Tensor):
         """Send my K/V to ``rank + step`` if it needs them (the window it sees); receive ``rank - step``'s
@@ -137,44 +142,88 @@ def _buffers(k: torch.Tensor, v: torch.Tensor, window: tuple[int, int]) -> tuple
     return (k.new_empty(*k.shape[:2], n, k.shape[3]), v.new_empty(*v.shape[:2], n, v.shape[3]))
 
 
+def _spans(windows: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(a, b, parts)``: the disjoint row spans that the (possibly overlapping) ``windows`` cover, each
+    with the number of windows in it. Empty windows are left out."""
+    spans: list[list[int]] = []
+    for a, b in sorted(w for w in windows if w[1] > w[0]):
+        if spans and a < spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], b)
+            spans[-1][2] += 1
+        else:
+            spans.append([a, b, 1])
+    return [tuple(x) for x in spans]
+
+
+def _span_of(spans: list[tuple[int, int, int]], rows: slice) -> tuple[int, int, int]:
+    for span in spans:
+        if span[0] <= rows.start and rows.stop <= span[1]:
+            return span
+    raise AssertionError(f"rows {rows} are in no planned window {spans}")  # the plan and the calls disagree
+
+
 class _Sum:
-    """A sum of ``expected`` partial tensors, some covering only a window of rows (dim 2: query rows
-    of dQ, key rows of dK / dV).
+    """A sum of partial tensors over rows (dim 2: query rows of dQ, key rows of dK / dV).
 
-    The first full part is kept as it came (no zero-fill, no copy: a rank that sees one chunk pays
-    nothing). With two parts the sum is taken in float32 and rounded once, in the parts' dtype; with
-    more a float32 (float64) sum is owned here and rounded at the end. A part (a tensor still being
-    sent, say) is never written to."""
+    With a base part (``windows`` given: the rows of every other part, known from the prepared
+    mask), the first part added covers every row and is kept as it came: rows no other part covers
+    cost nothing. The other parts cover windows of rows; where one window alone covers a row the sum
+    is one in-place add (computed in float32, rounded once), where windows overlap their rows are
+    summed in float32 (float64) and rounded once at the end, over those rows only: a neighbour's
+    chunk that one packed document crosses into costs that document's rows, not N / P of them.
+    Without a base (``windows`` None, or a first part that is not whole), a float32 sum over all rows,
+    rounded at the end. A window part (a tensor still being sent, say) is never written to; the base
+    is (it is this rank's own chunk's result)."""
 
-    def __init__(self, acc: torch.dtype, expected: int):
-        self.acc, self.expected = acc, expected
-        self.value, self.owned = None, False
+    def __init__(self, acc: torch.dtype, windows: list[tuple[int, int]] | None):
+        self.acc = acc
+        self.spans = _spans(windows) if windows is not None else None
+        self.value, self.based = None, False
+        self.sums: dict[int, torch.Tensor] = {}  # span start -> float32 sum of the span's rows
 
     def add(self, x: torch.Tensor, rows: slice | None = None, like: torch.Tensor | None = None) -> None:
         """Add ``x``: a whole part, or (``rows`` given) the rows ``rows`` of a tensor shaped like ``like``."""
-        if rows is not None and rows == slice(0, like.shape[2]):
-            rows = None
-        if self.value is None and rows is None:
-            self.value = x
+        whole = rows is None or rows == slice(0, like.shape[2])
+        if self.value is None and whole and self.spans is not None:
+            self.value, self.based = x, True
             return
-        running = self.acc if self.expected > 2 else x.dtype
+        if self.based:
+            rows = slice(0, x.shape[2]) if rows is None else rows
+            a, b, parts = _span_of(self.spans, rows)
+            if parts == 1:  # one add: computed in float32, rounded once
+                self.value[:, :, rows].add_(x)
+                return
+            if a not in self.sums:
+                self.sums[a] = self.value[:, :, a:b].to(self.acc)
+            self.sums[a][:, :, rows.start - a:rows.stop - a].add_(x)
+            return
         if self.value is None:
-            self.value = torch.zeros(like.shape, dtype=running, device=x.device)
-        elif not self.owned:
-            self.value = self.value.to(running, copy=True)
-        self.owned = True
-        (self.value if rows is None else self.value[:, :, rows]).add_(x)
+            self.value = torch.zeros(like.shape, dtype=self.acc, device=x.device)
+        (self.value if whole else self.value[:, :, rows]).add_(x)
 
     def result(self, like: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(like) if self.value is None else self.value.to(like.dtype)
+        if self.value is None:
+            return torch.zeros_like(like)
+        for a, total in self.sums.items():
+            self.value[:, :, a:a + total.shape[2]].copy_(total)
+        return self.value.to(like.dtype)
 
 
 def _forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's ``(out [B, Hq, n, Dv], lse [B, Hq, n] float32 / float64)`` over every chunk it sees."""
+    """This rank's ``(out [B, Hq, n, Dv], lse [B, Hq, n] float32 / float64)`` over every chunk it sees.
+
+    The own chunk comes first; where it covers every row (``based``), its output is the base and the
+    other chunks merge into it over their row windows only, like :class:`_Sum`: rows one other
+    chunk covers merge in float32 and round once in place, rows several cover merge into a float32
+    copy of their span, rounded once at the end. Otherwise a running output over all rows (float32
+    with more than two chunks), rounded at the end."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     # Two chunks merge in float32 and round once into q's dtype; more keep a float32 running output.
     running = acc if ring.chunks_seen() > 2 else q.dtype
     n = q.shape[2]
+    based = ring.needed[ring.rank][ring.rank] and ring.prepared.window(ring.rank) == (0, n)
+    spans = _spans([ring.prepared.window(s) for s in ring.sources() if s != ring.rank]) if based else []
+    sums: dict[int, torch.Tensor] = {}  # span start -> float32 copy of the output's rows there
     out = lse = None
     for _, src, chunk in ring.kv_chunks(k, v):
         if chunk is None:
@@ -183,6 +232,16 @@ def _forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         o, l = ring.backend.forward(q[:, :, rows], chunk[0], chunk[1], scale=ring.scale, **args)
         if out is None and rows == slice(0, n):  # the first chunk's result as it is
             out, lse = o, l.to(acc)
+            continue
+        if based:  # lse is float32 already: merged in place, like the output
+            a, b, parts = _span_of(spans, rows)
+            if parts == 1:
+                merge_into(out[:, :, rows], lse[:, :, rows], out[:, :, rows], lse[:, :, rows], o, l)
+                continue
+            if a not in sums:
+                sums[a] = out[:, :, a:b].to(acc)
+            part = sums[a][:, :, rows.start - a:rows.stop - a]
+            merge_into(part, lse[:, :, rows], part, lse[:, :, rows], o, l)
             continue
         if out is None:  # the first chunk seen covers some rows only
             out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=running, device=q.device)
@@ -193,6 +252,8 @@ def _forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     if out is None:  # this rank's queries see no key at all
         out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    for a, merged in sums.items():
+        out[:, :, a:a + merged.shape[2]].copy_(merged)
     out = out.to(q.dtype)
     return out, lse
 
@@ -203,8 +264,15 @@ def _backward(ring: _Ring, q, k, v, out, lse, dout) -> tuple[torch.Tensor, torch
     me = ring.rank
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = lse if lse.dtype == torch.float64 else lse.float()
-    dq = _Sum(acc, ring.chunks_seen())
-    dk, dv = _Sum(acc, ring.users_of_mine()), _Sum(acc, ring.users_of_mine())
+    p, n = ring.prepared, q.shape[2]
+    # The own chunk's gradients are the base where they cover every row / key (the usual case); the
+    # other parts' windows are known from the prepared mask.
+    own = ring.needed[me][me]
+    rows_of = [p.window(s) for s in ring.sources() if s != me]
+    keys_of = [p.sent_window(d) for d in ring.users() if d != me]
+    dq = _Sum(acc, rows_of if own and p.window(me) == (0, n) else None)
+    keys_based = own and p.key_window(me) == (0, k.shape[2])
+    dk, dv = _Sum(acc, keys_of if keys_based else None), _Sum(acc, keys_of if keys_based else None)
     grads_in_flight = []  # (requests, received dK, received dV)
     for step, src, chunk in ring.kv_chunks(k, v):
         dst = ring.comm.send_to(step)

@@ -222,3 +222,38 @@ def test_ring_with_triton_kernels_on_contiguous_and_zigzag_shards():
         # arbitrary-row builder; and a neighbour's chunk runs on the rows that see it only.
         assert res["zigzag/state"]["arbitrary_rows"] == 0, res["zigzag/state"]
         assert any(w != [0, N // 2] for w in res["contiguous/state"]["windows"]), res["contiguous/state"]
+
+
+def test_window_sums_round_once_and_touch_only_their_rows():
+    """The ring's gradient sum (``_Sum``): the base part's rows that no window covers stay as they came,
+    window rows are the float32 sum rounded once into bf16 (equal to the exact sum rounded once),
+    overlapping windows share one float32 span, window parts are never written to; without a base,
+    a float32 sum over all rows."""
+    from fm_parallel.distributed.ring import _spans, _Sum
+
+    assert _spans([(2, 6), (0, 3), (8, 10), (5, 5), (6, 8)]) == [(0, 6, 2), (6, 8, 1), (8, 10, 1)]
+    torch.manual_seed(0)
+    like = torch.empty(1, 2, 12, 4, dtype=torch.bfloat16)
+    base = torch.randn(1, 2, 12, 4).to(torch.bfloat16)
+    windows = [(0, 3), (2, 6), (8, 10)]
+    parts = [torch.randn(1, 2, b - a, 4).to(torch.bfloat16) for a, b in windows]
+    kept = [p.clone() for p in parts]
+    exact = base.double()
+    for (a, b), part in zip(windows, parts):
+        exact[:, :, a:b] += part.double()
+    for planned in (windows, None):
+        total = _Sum(torch.float32, planned)
+        first = base.clone()
+        total.add(first, slice(0, 12), like)
+        for (a, b), part in zip(windows, parts):
+            total.add(part, slice(a, b), like)
+        got = total.result(like)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, exact.to(torch.bfloat16)), planned
+        assert all(torch.equal(p, k) for p, k in zip(parts, kept))
+        untouched = [r for r in range(12) if not any(a <= r < b for a, b in windows)]
+        assert torch.equal(got[:, :, untouched], base[:, :, untouched])
+        if planned is not None:  # the base is summed into in place (no full-size copy)
+            assert got.data_ptr() == first.data_ptr()
+    empty = _Sum(torch.float32, [])
+    assert torch.equal(empty.result(like), torch.zeros_like(like))
