@@ -101,10 +101,11 @@ class LayerGraphs:
                 outputs = fn(*static, counted)
             except RuntimeError as e:  # an op that cannot be captured (a synchronisation, say)
                 error = e
-            try:
-                graph.capture_end()
-            except RuntimeError as e:
-                error = error or e
+            finally:  # the stream leaves capture mode whatever happened (other errors propagate)
+                try:
+                    graph.capture_end()
+                except RuntimeError as e:
+                    error = error or e
         torch.cuda.current_stream().wait_stream(stream)
         if error is None and any(any(o is x for x in static) for o in outputs):
             error = RuntimeError("the phase returned one of its inputs")
