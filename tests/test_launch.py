@@ -165,6 +165,16 @@ def test_verify_multi_gpu_script_passes_on_cpu_ranks(tmp_path, world):
     assert all(r["bytes_sent"] == r["expected_bytes"] for r in ring)  # the key windows, checked by the script too
 
 
+@pytest.mark.parametrize("where", [["--device", "cpu"], ["--shared-gpu"]])
+def test_verify_multi_gpu_refuses_cuda_graphs_without_nccl(tmp_path, where):
+    """--cuda-graphs needs NCCL ranks: on CPU ranks or ranks sharing a GPU over gloo it stops at once,
+    naming the flag, before any process group (no hang, no partial JSON)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "verify_multi_gpu.py"), *where, "--cuda-graphs",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--cuda-graphs: expected NCCL ranks" in proc.stderr, proc.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
+
+
 def test_cp_scaling_script_runs_on_cpu_ranks(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "launch" / "bench" / "cp_scaling.py"),

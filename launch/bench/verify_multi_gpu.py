@@ -2,6 +2,7 @@
 (gloo): one PASS/FAIL line per case.
 
     torchrun --nproc_per_node 8 launch/bench/verify_multi_gpu.py                      # H200s: N 32k and 128k
+    torchrun --nproc_per_node 8 launch/bench/verify_multi_gpu.py --cuda-graphs        # + the ring as CUDA graphs
     torchrun --nproc_per_node 4 launch/bench/verify_multi_gpu.py --shared-gpu            # 4 ranks on ONE GPU
     torchrun --nproc_per_node 4 launch/bench/verify_multi_gpu.py --device cpu --ns 256 \\
         --heads 8 --kv-heads 2 --head-dim 16 --dtype float64 --impls torch            # mechanics on a CPU
@@ -93,9 +94,12 @@ def expected_bytes(windows: torch.Tensor, rank: int, per_key: int) -> int:
     return sent
 
 
-def modes(world: int, heads: int) -> list[tuple[str, int]]:
-    """(mode, Ulysses degree) pairs this world can run."""
-    out = [("ring", 1)]
+GRAPH_LAYERS = 3  # eager, captured + replayed, replayed
+
+
+def modes(world: int, heads: int, cuda_graphs: bool = False) -> list[tuple[str, int]]:
+    """(mode, Ulysses degree) pairs this world can run; ``cuda_graphs`` adds the ring with CUDA graphs."""
+    out = [("ring", 1)] + ([("ring_graphs", 1)] if cuda_graphs else [])
     if heads % world == 0:
         out.append(("ulysses", world))
     if world >= 4 and world % 2 == 0 and heads % 2 == 0:
@@ -106,6 +110,8 @@ def modes(world: int, heads: int) -> list[tuple[str, int]]:
 def run_case(mode, uly, mask, plan, q, k, v, dout, ref, mesh, rank, impl, mask_on="host"):
     from fm_parallel.distributed import RingStats, hybrid_attention, prepare, ring_attention, ulysses_attention
 
+    if mode == "ring_graphs":
+        return _graphed_ring_case(mask, plan, q, k, v, dout, ref, rank, impl, mask_on)
     ql, kl, vl = (plan.shard(t.detach(), rank, 2).requires_grad_() for t in (q, k, v))
     stats = RingStats()
     # Prepared once, as the trainer does per step (one agreement, the pair table, column masks).
@@ -127,6 +133,35 @@ def run_case(mode, uly, mask, plan, q, k, v, dout, ref, mesh, rank, impl, mask_o
         # In float64: a float32 difference would round float64 results' differences away (it read 0.0).
         scale = want.double().abs().max().item() or 1.0
         errors[name] = (got.double() - want.double()).abs().max().item() / scale
+    return errors, stats
+
+
+def _graphed_ring_case(mask, plan, q, k, v, dout, ref, rank, impl, mask_on):
+    """The ring with ``prepare(..., cuda_graphs=True)`` over ``GRAPH_LAYERS`` layers (eager, captured and
+    replayed, replayed) on new values each: layer l runs on V scaled by 2^l, so its output, dQ and dK
+    are the reference's times 2^l exactly (a power-of-two scale is exact in floating point; the
+    softmax does not see V) and dV is the reference's. A replay of stale values would fail. Returns
+    the worst errors over the layers and the last (replayed) layer's transfer counts."""
+    from fm_parallel.distributed import RingStats, prepare, ring_attention
+
+    source = mask.to("cpu") if mask_on == "host" else mask
+    prepared = prepare(source, plan, device=q.device, cuda_graphs=True)
+    errors: dict[str, float] = {}
+    for layer in range(GRAPH_LAYERS):
+        c = 2.0 ** layer
+        ql, kl = (plan.shard(t.detach(), rank, 2).requires_grad_() for t in (q, k))
+        vl = (plan.shard(v.detach(), rank, 2) * c).requires_grad_()
+        stats = RingStats()
+        out = ring_attention(ql, kl, vl, prepared, plan, stats=stats, impl=impl)
+        out.backward(plan.shard(dout, rank, 2))
+        for name, got, want, scale in (("out", out, ref[0], c), ("dq", ql.grad, ref[1], c), ("dk", kl.grad, ref[2], c),
+                                       ("dv", vl.grad, ref[3], 1.0)):
+            want = plan.shard(want, rank, 2).double() * scale
+            top = want.abs().max().item() or 1.0
+            errors[name] = max(errors.get(name, 0.0), (got.double() - want).abs().max().item() / top)
+    counters = prepared.graphs.counters
+    if counters["failed"] or counters["replays"] != 2 * (GRAPH_LAYERS - 1):
+        raise RuntimeError(f"CUDA graphs: expected every layer after the first replayed, got {counters}")
     return errors, stats
 
 
@@ -157,8 +192,13 @@ def main() -> None:
     parser.add_argument("--impls", nargs="+", default=["auto"],
                         help="local kernels, each resolved like flashmask_attention's (auto: CuTe on Hopper with "
                              "the [cute] extra, else Triton; PyTorch on CPU)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="also the ring with prepare(..., cuda_graphs=True), 3 layers on new values each (NCCL only)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
+    if args.cuda_graphs and (args.shared_gpu or args.device != "cuda"):
+        parser.error("--cuda-graphs: expected NCCL ranks (--device cuda, one GPU per rank); gloo's host-staged "
+                     "transfers cannot be captured")
 
     from fm_parallel import backends, flashmask_attention
     from fm_parallel.distributed import shard
@@ -197,13 +237,13 @@ def main() -> None:
         for balance in args.balances:
             plan = shard(mask.to("cpu"), world, balance)
             table, windows = pair_table_and_key_windows(mask.to("cpu"), plan.positions)
-            for mode, uly in modes(world, args.heads):
+            for mode, uly in modes(world, args.heads, args.cuda_graphs):
                 t0 = time.perf_counter()
                 try:
                     errors, stats = run_case(mode, uly, mask, plan, q, k, v, dout, ref, mesh, rank, impl, args.mask_on)
                     row = {"errors": errors, "skipped": stats.transfers_skipped, "posted": stats.transfers_posted,
                            "bytes_sent": stats.bytes_sent}
-                    if mode == "ring":
+                    if mode in ("ring", "ring_graphs"):
                         row["expected_skipped"] = expected_skips(table, rank)
                         row["expected_bytes"] = expected_bytes(windows, rank, args.kv_heads * args.head_dim * q.element_size())
                     elif mode == "hybrid":
