@@ -84,6 +84,11 @@ class ContextParallel:
         """The prepared mask of ``mask``: the last one when it is the same object (or its device copy),
         unedited; else a new one for this call's tensors."""
         if isinstance(mask, PreparedMask):
+            if self.cuda_graphs and mask.graphs is None:  # said, not raised: a rank alone must not leave the ring
+                backends.log_once("context-graphs-unprepared",
+                                  "fm_parallel: ContextParallel(cuda_graphs=True) was given a PreparedMask made without "
+                                  "cuda_graphs; those layers run eagerly (prepare(..., cuda_graphs=True), or pass the "
+                                  "FlashMask and let ContextParallel prepare it)")
             return mask
         if self._last is not None and isinstance(mask, FlashMask):
             known = self._last[0].get(id(mask))

@@ -208,3 +208,23 @@ def test_a_new_step_captures_again_with_the_same_results():
     for a, b in zip(first, second):
         for x, y in zip(a[:4], b[:4]):
             assert torch.equal(x, y)
+
+
+def test_context_parallel_says_when_a_given_prepared_mask_has_no_graphs(caplog):
+    """ContextParallel(cuda_graphs=True) handed a PreparedMask made without graphs runs it eagerly and
+    says so on the fm_parallel logger (not silently; not an error one rank alone would raise)."""
+    import logging
+
+    from fm_parallel import backends, masks
+    from fm_parallel.distributed import shard
+    from fm_parallel.distributed.context import ContextParallel
+    from fm_parallel.distributed.prepared import PreparedMask
+
+    mask = masks.causal(64)
+    plan = shard(mask, 2, "zigzag")
+    prepared = PreparedMask(mask, plan, 0, torch.device("cpu"))
+    ctx = ContextParallel("ring", plan, cuda_graphs=True)
+    backends._logged.discard("context-graphs-unprepared")
+    with caplog.at_level(logging.WARNING, logger="fm_parallel"):
+        assert ctx._prepared(None, None, None, prepared) is prepared
+    assert "made without cuda_graphs" in caplog.text
