@@ -104,6 +104,21 @@ def test_trainer_attention_benchmark_runs_on_the_cpu(tmp_path):
     assert rows[0]["losses"] == pytest.approx(rows[1]["losses"], rel=1e-4)
 
 
+def test_trainer_attention_warm_pass_times_the_same_rows_after_an_untimed_run(tmp_path):
+    """--warm-pass: each configuration trains once untimed first; the timed run is the same training
+    (same losses as without it) and its rows say so."""
+    args = [sys.executable, str(ROOT / "launch" / "bench" / "trainer_attention.py"), "--shape", "tiny", "--lengths", "512",
+            "--attention", "flashmask", "--timed-steps", "1", "--tile-chunk", "128", "--loss-chunk", "128"]
+    for name, extra in (("warm", ["--warm-pass"]), ("cold", [])):
+        proc = subprocess.run(args + extra + ["--name", name, "--out", str(tmp_path)], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    warm, cold = (json.loads((tmp_path / f"{n}.json").read_text())["rows"] for n in ("warm", "cold"))
+    assert [r["warm_pass"] for r in warm] == [True] and [r["warm_pass"] for r in cold] == [False]
+    assert warm[0]["losses"] == pytest.approx(cold[0]["losses"], rel=1e-5)
+    assert "--warm-pass" in json.loads((tmp_path / "warm.json").read_text())["command"]
+
+
 def test_trainer_attention_dpo_layouts_run_on_the_cpu(tmp_path):
     """The DPO end-to-end comparison: shared prompt against TRL's layout, samples/s from the rows trained."""
     proc = subprocess.run(

@@ -205,7 +205,7 @@ case "$stage" in
   trainer)
     fa4
     timeout ${TRAINER_TIMEOUT:-540} python3 launch/bench/trainer_attention.py --lengths ${NS:-32768 65536} \
-      --attention ${ATTENTIONS:-flashmask flex sdpa} --out "$OUT" --name trainer_h200${TAG:-_steady} 2>&1 \
+      --attention ${ATTENTIONS:-flashmask flex sdpa} ${WARM:+--warm-pass} --out "$OUT" --name trainer_h200${TAG:-_steady} 2>&1 \
       | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/trainer.log" | grep -v "^step\|^ " || true ;;
   graphs)  # the ring's layers as CUDA graphs: the GPU tests (graphed vs eager vs one GPU), then their cost
     fa4
