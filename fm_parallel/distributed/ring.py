@@ -75,9 +75,6 @@ class _Ring:
         r0, r1 = p.window(source)
         return slice(r0, r1), dict(mask=p.columns(source), positions=p.local_rows[r0:r1], q_offset=r0)
 
-    def chunks_seen(self) -> int:
-        return sum(self.needed[self.rank])
-
     def sources(self) -> list[int]:
         """The ranks whose keys this rank's queries see."""
         return [s for s in range(self.world) if self.needed[self.rank][s]]
@@ -162,40 +159,57 @@ def _span_of(spans: list[tuple[int, int, int]], rows: slice) -> tuple[int, int, 
     raise AssertionError(f"rows {rows} are in no planned window {spans}")  # the plan and the calls disagree
 
 
+class _Windows:
+    """Where parts covering windows of rows (dim 2) land in a ``base`` tensor that covers every row:
+    the base's own rows where one window alone covers them (one in-place op there, computed in
+    float32 and rounded once), else the rows of a float32 (float64) copy of the span the overlapping
+    windows cover, rounded once into the base by :meth:`flush`. Rows no window covers are never
+    touched: a neighbour's chunk that one packed document crosses into costs that document's rows,
+    not N / P of them. ``windows``: the rows of every part that will come (from the prepared mask)."""
+
+    def __init__(self, base: torch.Tensor, windows: list[tuple[int, int]], acc: torch.dtype):
+        self.base, self.acc, self.spans = base, acc, _spans(windows)
+        self.copies: dict[int, torch.Tensor] = {}  # span start -> float32 copy of the base's rows there
+
+    def rows(self, rows: slice) -> torch.Tensor:
+        """The tensor a part covering ``rows`` is added / merged into (a view)."""
+        a, b, parts = _span_of(self.spans, rows)
+        if parts == 1:
+            return self.base[:, :, rows]
+        if a not in self.copies:
+            self.copies[a] = self.base[:, :, a:b].to(self.acc)
+        return self.copies[a][:, :, rows.start - a:rows.stop - a]
+
+    def flush(self) -> torch.Tensor:
+        """The base with the overlapping spans rounded into it (once)."""
+        for a, total in self.copies.items():
+            self.base[:, :, a:a + total.shape[2]].copy_(total)
+        self.copies.clear()
+        return self.base
+
+
 class _Sum:
     """A sum of partial tensors over rows (dim 2: query rows of dQ, key rows of dK / dV).
 
     With a base part (``windows`` given: the rows of every other part, known from the prepared
-    mask), the first part added covers every row and is kept as it came: rows no other part covers
-    cost nothing. The other parts cover windows of rows; where one window alone covers a row the sum
-    is one in-place add (computed in float32, rounded once), where windows overlap their rows are
-    summed in float32 (float64) and rounded once at the end, over those rows only: a neighbour's
-    chunk that one packed document crosses into costs that document's rows, not N / P of them.
-    Without a base (``windows`` None, or a first part that is not whole), a float32 sum over all rows,
-    rounded at the end. A window part (a tensor still being sent, say) is never written to; the base
-    is (it is this rank's own chunk's result)."""
+    mask), the first part added covers every row and is kept as it came; the others are added over
+    their windows only (:class:`_Windows`). Without a base (``windows`` None, or a first part that
+    is not whole), a float32 sum over all rows, rounded at the end. A window part (a tensor still
+    being sent, say) is never written to; the base is (it is this rank's own chunk's result)."""
 
     def __init__(self, acc: torch.dtype, windows: list[tuple[int, int]] | None):
-        self.acc = acc
-        self.spans = _spans(windows) if windows is not None else None
-        self.value, self.based = None, False
-        self.sums: dict[int, torch.Tensor] = {}  # span start -> float32 sum of the span's rows
+        self.acc, self.planned = acc, windows
+        self.value = None
+        self.windows: _Windows | None = None  # once the base part came
 
     def add(self, x: torch.Tensor, rows: slice | None = None, like: torch.Tensor | None = None) -> None:
         """Add ``x``: a whole part, or (``rows`` given) the rows ``rows`` of a tensor shaped like ``like``."""
         whole = rows is None or rows == slice(0, like.shape[2])
-        if self.value is None and whole and self.spans is not None:
-            self.value, self.based = x, True
+        if self.value is None and whole and self.planned is not None:
+            self.value, self.windows = x, _Windows(x, self.planned, self.acc)
             return
-        if self.based:
-            rows = slice(0, x.shape[2]) if rows is None else rows
-            a, b, parts = _span_of(self.spans, rows)
-            if parts == 1:  # one add: computed in float32, rounded once
-                self.value[:, :, rows].add_(x)
-                return
-            if a not in self.sums:
-                self.sums[a] = self.value[:, :, a:b].to(self.acc)
-            self.sums[a][:, :, rows.start - a:rows.stop - a].add_(x)
+        if self.windows is not None:
+            self.windows.rows(slice(0, x.shape[2]) if rows is None else rows).add_(x)
             return
         if self.value is None:
             self.value = torch.zeros(like.shape, dtype=self.acc, device=x.device)
@@ -204,27 +218,22 @@ class _Sum:
     def result(self, like: torch.Tensor) -> torch.Tensor:
         if self.value is None:
             return torch.zeros_like(like)
-        for a, total in self.sums.items():
-            self.value[:, :, a:a + total.shape[2]].copy_(total)
-        return self.value.to(like.dtype)
+        return (self.windows.flush() if self.windows is not None else self.value).to(like.dtype)
 
 
 def _forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's ``(out [B, Hq, n, Dv], lse [B, Hq, n] float32 / float64)`` over every chunk it sees.
 
     The own chunk comes first; where it covers every row (``based``), its output is the base and the
-    other chunks merge into it over their row windows only, like :class:`_Sum`: rows one other
-    chunk covers merge in float32 and round once in place, rows several cover merge into a float32
-    copy of their span, rounded once at the end. Otherwise a running output over all rows (float32
-    with more than two chunks), rounded at the end."""
+    other chunks merge into it over their row windows only (:class:`_Windows`; the lse, float32
+    already, in place). Otherwise a running output over all rows (float32 with more than two chunks),
+    rounded at the end."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     # Two chunks merge in float32 and round once into q's dtype; more keep a float32 running output.
-    running = acc if ring.chunks_seen() > 2 else q.dtype
+    running = acc if len(ring.sources()) > 2 else q.dtype
     n = q.shape[2]
     based = ring.needed[ring.rank][ring.rank] and ring.prepared.window(ring.rank) == (0, n)
-    spans = _spans([ring.prepared.window(s) for s in ring.sources() if s != ring.rank]) if based else []
-    sums: dict[int, torch.Tensor] = {}  # span start -> float32 copy of the output's rows there
-    out = lse = None
+    out = lse = windows = None
     for _, src, chunk in ring.kv_chunks(k, v):
         if chunk is None:
             continue
@@ -232,15 +241,11 @@ def _forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         o, l = ring.backend.forward(q[:, :, rows], chunk[0], chunk[1], scale=ring.scale, **args)
         if out is None and rows == slice(0, n):  # the first chunk's result as it is
             out, lse = o, l.to(acc)
+            if based:  # the own chunk (step 0)
+                windows = _Windows(out, [ring.prepared.window(s) for s in ring.sources() if s != ring.rank], acc)
             continue
-        if based:  # lse is float32 already: merged in place, like the output
-            a, b, parts = _span_of(spans, rows)
-            if parts == 1:
-                merge_into(out[:, :, rows], lse[:, :, rows], out[:, :, rows], lse[:, :, rows], o, l)
-                continue
-            if a not in sums:
-                sums[a] = out[:, :, a:b].to(acc)
-            part = sums[a][:, :, rows.start - a:rows.stop - a]
+        if windows is not None:
+            part = windows.rows(rows)
             merge_into(part, lse[:, :, rows], part, lse[:, :, rows], o, l)
             continue
         if out is None:  # the first chunk seen covers some rows only
@@ -252,8 +257,8 @@ def _forward(ring: _Ring, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     if out is None:  # this rank's queries see no key at all
         out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-    for a, merged in sums.items():
-        out[:, :, a:a + merged.shape[2]].copy_(merged)
+    if windows is not None:
+        windows.flush()
     out = out.to(q.dtype)
     return out, lse
 

@@ -127,13 +127,17 @@ def run_case(mode, uly, mask, plan, q, k, v, dout, ref, mesh, rank, impl, mask_o
     else:
         out = hybrid_attention(ql, kl, vl, prepared, plan, mesh, stats=stats, impl=impl)
     out.backward(plan.shard(dout, rank, 2))
-    errors = {}
-    for name, got, want in (("out", out, ref[0]), ("dq", ql.grad, ref[1]), ("dk", kl.grad, ref[2]), ("dv", vl.grad, ref[3])):
-        want = plan.shard(want, rank, 2)
-        # In float64: a float32 difference would round float64 results' differences away (it read 0.0).
-        scale = want.double().abs().max().item() or 1.0
-        errors[name] = (got.double() - want.double()).abs().max().item() / scale
+    errors = {name: relative_error(got, plan.shard(want, rank, 2))
+              for name, got, want in (("out", out, ref[0]), ("dq", ql.grad, ref[1]), ("dk", kl.grad, ref[2]),
+                                      ("dv", vl.grad, ref[3]))}
     return errors, stats
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest difference relative to the largest reference value, in float64 (a float32 difference
+    would round float64 results' differences away: it read 0.0)."""
+    want = want.double()
+    return (got.double() - want).abs().max().item() / (want.abs().max().item() or 1.0)
 
 
 def _graphed_ring_case(mask, plan, q, k, v, dout, ref, rank, impl, mask_on):
@@ -156,9 +160,8 @@ def _graphed_ring_case(mask, plan, q, k, v, dout, ref, rank, impl, mask_on):
         out.backward(plan.shard(dout, rank, 2))
         for name, got, want, scale in (("out", out, ref[0], c), ("dq", ql.grad, ref[1], c), ("dk", kl.grad, ref[2], c),
                                        ("dv", vl.grad, ref[3], 1.0)):
-            want = plan.shard(want, rank, 2).double() * scale
-            top = want.abs().max().item() or 1.0
-            errors[name] = max(errors.get(name, 0.0), (got.double() - want).abs().max().item() / top)
+            error = relative_error(got, plan.shard(want, rank, 2).double() * scale)
+            errors[name] = max(errors.get(name, 0.0), error)
     counters = prepared.graphs.counters
     if counters["failed"] or counters["replays"] != 2 * (GRAPH_LAYERS - 1):
         raise RuntimeError(f"CUDA graphs: expected every layer after the first replayed, got {counters}")
