@@ -354,3 +354,43 @@ def test_every_benchmark_summarises_repeats_one_way():
     assert spread([3.0, 1.0, 2.0, 10.0]) == {"min": 1.0, "median": 2.5, "max": 10.0, "repeats": 4}
     with pytest.raises(ValueError, match="times: expected at least one measurement"):
         spread([])
+
+
+def test_cp_layer_cost_decoder_rest_trains_only_the_adapters_through_every_projection():
+    """``cp_layer_cost.py --decoder-rest`` times the rest of a LoRA-trained decoder layer: every one of
+    the seven projections runs forward and backward (k and v reach the output through the stand-in for
+    the attention core), the base weights and norms stay frozen, every adapter gets a gradient."""
+    from launch.bench.cp_layer_cost import DecoderRest
+
+    torch.manual_seed(0)
+    layer = DecoderRest(hidden=32, kv_dim=8, intermediate=48, rank=2, device="cpu", dtype=torch.float32)
+    for b in layer.lora_b.values():  # peft starts B at zero; nonzero here so A's gradient is nonzero too
+        torch.nn.init.normal_(b)
+    x = torch.randn(5, 32, requires_grad=True)
+    layer(x).square().sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    assert all(p.grad is None for p in layer.base.values()) and all(n.weight.grad is None for n in layer.norms)
+    for name in ("q", "k", "v", "o", "gate", "up", "down"):
+        assert layer.lora_a[name].grad.abs().sum() > 0 and layer.lora_b[name].grad.abs().sum() > 0, name
+
+
+def test_cp_layer_cost_writes_the_decoder_share_column(tmp_path):
+    """The table gains the decoder layer's device ms and the CP host share (eager, graphed; '-' where
+    graphs were not timed); rows without it are marked, not mis-aligned."""
+    import argparse
+
+    from launch.bench.cp_layer_cost import write_results
+
+    args = argparse.Namespace(out=tmp_path, link_gbs=350.0, decoder_rest=True, heads=32, head_dim=128, intermediate=14336,
+                              lora_rank=16, rest_max_tokens=32768)
+    row = {"mask": "docs", "n": 131072, "p": 4, "balance": "zigzag", "device_ms_per_rank": [5.0], "ranks": [{"host_ms": 4.0}],
+           "host_over_kernel_rank0": 0.8, "predicted_layer_ms": 6.0, "single_gpu_ms": 20.0, "predicted_tf_per_gpu": 300,
+           "single_gpu_tf": 450, "ratio": 0.66,
+           "decoder": {"layer_device_ms": 80.0, "cp_host_share": 0.05, "rest_device_ms": 74.0}}
+    write_results(args, "NVIDIA H200", "cute", [row, dict(row, decoder=None)])
+    table = (tmp_path / "cp_scaling_model_nvidia_h200.md").read_text().splitlines()
+    header = next(line for line in table if line.startswith("| mask"))
+    body = [line for line in table if line.startswith("| docs")]
+    assert header.count("|") == body[0].count("|") == body[1].count("|") == 17
+    assert body[0].endswith("| 80.00 | 5.0%, - |") and body[1].endswith("| - | - |")
+    assert "decoder_layer" in json.loads((tmp_path / "cp_scaling_model_nvidia_h200.json").read_text())["assumptions"]

@@ -241,6 +241,64 @@ def single_gpu_ms(mask, q, k, v, dout, impl, reps: int) -> float:
     return spread([s.elapsed_time(e) for s, e in events])["median"]
 
 
+class DecoderRest(torch.nn.Module):
+    """A Llama-style decoder layer without its attention core, LoRA-trained: RMSNorm, the q / k / v / o
+    projections, RMSNorm, the SwiGLU MLP and both residual adds, base weights frozen, rank-``r``
+    adapters on all seven projections (what ``peft`` adds for ``target_modules="all-linear"``). The
+    attention core is stood in for by ``q + repeat(k + v)`` (elementwise), so every projection's
+    backward runs; the core itself is what the ring measures. ``x``: ``[T, hidden]``."""
+
+    def __init__(self, hidden: int, kv_dim: int, intermediate: int, rank: int, device, dtype):
+        super().__init__()
+        shapes = {"q": (hidden, hidden), "k": (kv_dim, hidden), "v": (kv_dim, hidden), "o": (hidden, hidden),
+                  "gate": (intermediate, hidden), "up": (intermediate, hidden), "down": (hidden, intermediate)}
+        self.base = torch.nn.ParameterDict({n: torch.nn.Parameter(torch.randn(s, device=device, dtype=dtype) * s[1] ** -0.5,
+                                                                  requires_grad=False) for n, s in shapes.items()})
+        self.lora_a = torch.nn.ParameterDict({n: torch.nn.Parameter(torch.randn(rank, s[1], device=device, dtype=dtype) * 0.01)
+                                              for n, s in shapes.items()})
+        self.lora_b = torch.nn.ParameterDict({n: torch.nn.Parameter(torch.zeros(s[0], rank, device=device, dtype=dtype))
+                                              for n, s in shapes.items()})
+        self.norms = torch.nn.ModuleList(torch.nn.RMSNorm(hidden, device=device, dtype=dtype) for _ in range(2))
+        for norm in self.norms:
+            norm.weight.requires_grad_(False)
+        self.repeat = hidden // kv_dim
+
+    def proj(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        f = torch.nn.functional
+        return f.linear(x, self.base[name]) + f.linear(f.linear(x, self.lora_a[name]), self.lora_b[name])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norms[0](x)
+        q, k, v = self.proj("q", h), self.proj("k", h), self.proj("v", h)
+        x = x + self.proj("o", q + (k + v).repeat(1, self.repeat))
+        h = self.norms[1](x)
+        return x + self.proj("down", torch.nn.functional.silu(self.proj("gate", h)) * self.proj("up", h))
+
+
+def decoder_rest_cost(tokens: int, args, device, dtype) -> dict:
+    """Device and host ms of one :class:`DecoderRest` forward + backward at ``tokens`` local tokens
+    (the hidden size is heads x head dim, as in Llama models; median of ``args.layers``)."""
+    hidden, kv_dim = args.heads * args.head_dim, args.kv_heads * args.head_dim
+    layer = DecoderRest(hidden, kv_dim, args.intermediate, args.lora_rank, device, dtype)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    events = []
+
+    def step():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        layer(x).backward(grad)
+        end.record()
+        events.append((start, end))
+
+    step()
+    events.clear()
+    queued(step, args.layers)
+    device_ms = spread([s.elapsed_time(e) for s, e in events])["median"]
+    host, syncs, _ = host_ms(step, args.layers, sleep_ms=max(50.0, 4 * device_ms))
+    return {"tokens": tokens, "device_ms": device_ms, "host_ms": host, "host_syncs": syncs}
+
+
 def graphed_cost(args, mask, plan, rank, q, k, v, dout, impl, device, host_mask, eager_device_ms: float) -> dict:
     """Rank ``rank``'s layer with the step's layers captured as CUDA graphs: host ms per layer, the
     device work the graphs add (copies into the static inputs, clones of the outputs: the profiler's
@@ -280,6 +338,53 @@ def predict(steps: list[dict], bytes_in: list[list[int]], serial_ms: list[float]
     return worst
 
 
+def write_results(args, gpu: str, impl: str, rows: list[dict]) -> None:
+    """``--out/cp_scaling_model_<device>.json`` and ``.md``: the rows so far and the model's assumptions."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    assumptions = {
+        "link_gbs_per_direction": args.link_gbs,
+        "link_note": "assumed, not measured: one GPU has no peer; NVLink 4 on H200 SXM is 450 GB/s per direction "
+                     "nominal, p2p copies reach roughly 350-390 GB/s in published nccl-tests",
+        "overlap": "each ring step's compute overlaps the next step's transfer (the ring posts step s+1 before computing "
+                   "step s); the first transfer is exposed; the backward's dK/dV return runs on the opposite direction "
+                   "of the full-duplex link",
+        "skew": "a layer ends when the slowest rank ends (per-rank totals from each rank's own measured steps)",
+        "host": "host time is hidden when below the layer's device time (measured per layer with the GPU kept busy); "
+                "a layer is max(modelled device time, rank 0's host time): above it the GPU waits for the launches "
+                "(since 2026-12-03, sixth session; earlier tables modelled the device alone)",
+        "not_modelled": "NCCL launch latency per transfer (~10-20 us), contention of several rings on one NVSwitch, "
+                        "the per-step agreement all-gather (once per step, not per layer)",
+    }
+    if args.decoder_rest:
+        assumptions["decoder_layer"] = (
+            f"--decoder-rest: the rest of a Llama-style decoder layer (hidden {args.heads * args.head_dim}, MLP "
+            f"{args.intermediate}, q / k / v / o / gate / up / down frozen with rank-{args.lora_rank} LoRA adapters, two "
+            f"RMSNorms), forward + backward measured on this GPU at min(N / P, {args.rest_max_tokens}) tokens and scaled "
+            "linearly in tokens; a layer's device time = the modelled CP attention + that; 'CP host / layer' = rank 0's "
+            "attention host ms over it (the rest's own host ms is in the JSON)")
+    stem = f"cp_scaling_model_{gpu.replace(' ', '_').lower()}"
+    cmd = "python launch/bench/cp_layer_cost.py " + " ".join(sys.argv[1:])
+    (args.out / f"{stem}.json").write_text(json.dumps({"command": cmd, "device": gpu, "kernel": impl,
+                                                        "assumptions": assumptions, "rows": rows}, indent=1))
+    lines = [f"# CP per-layer cost on one {gpu}, and the scaling it predicts", "", f"`{cmd}`", "",
+             "| mask | N | P | balance | device ms/rank (max) | host ms (rank 0) | host/device | per-call prep ms | "
+             "predicted layer ms | 1-GPU ms | TF/GPU | 1-GPU TF | ratio | graphed: device ms, host ms, host/device, ratio |"
+             + (" decoder layer device ms | CP host / layer (eager, graphed) |" if args.decoder_rest else ""),
+             "|" + "---|" * (16 if args.decoder_rest else 14)]
+    for r in rows:
+        lines.append(f"| {r['mask']} | {r['n']} | {r['p']} | {r['balance']} | {max(r['device_ms_per_rank']):.2f} | "
+                     f"{r['ranks'][0].get('host_ms', float('nan')):.2f} | {r['host_over_kernel_rank0']:.1%} | "
+                     f"{r['ranks'][0].get('per_call_wall_ms', float('nan')):.2f} | {r['predicted_layer_ms']:.2f} | "
+                     f"{r['single_gpu_ms']:.2f} | {r['predicted_tf_per_gpu']:.0f} | {r['single_gpu_tf']:.0f} | {r['ratio']:.2f} | "
+                     + (f"{g['device_ms']:.2f}, {g['host_ms']:.2f}, {g['host_over_device']:.1%}, {g['ratio']:.2f} |"
+                        if (g := r['ranks'][0].get('graphed')) else "- |")
+                     + (f" {d['layer_device_ms']:.2f} | {d['cp_host_share']:.1%}, "
+                        f"{d.get('cp_host_share_graphed', float('nan')):.1%} |".replace("nan%", "-") if (d := r.get("decoder")) else
+                        (" - | - |" if args.decoder_rest else "")))
+    lines += ["", "Assumptions:", ""] + [f"- {k}: {v}" for k, v in assumptions.items()]
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -301,6 +406,14 @@ def main() -> None:
     parser.add_argument("--cprofile", action="store_true", help="print rank 0's top host functions per configuration")
     parser.add_argument("--graphs", action="store_true",
                         help="also time the host ranks' layers captured as CUDA graphs (prepare(..., cuda_graphs=True))")
+    parser.add_argument("--decoder-rest", action="store_true",
+                        help="also time a LoRA-trained Llama-style decoder layer without its attention core at N / P "
+                             "tokens (DecoderRest), for the CP host time's share of a whole layer")
+    parser.add_argument("--intermediate", type=int, default=14336, help="--decoder-rest: the MLP's width (Llama-3-8B's)")
+    parser.add_argument("--lora-rank", type=int, default=16, help="--decoder-rest: the adapters' rank")
+    parser.add_argument("--rest-max-tokens", type=int, default=32768,
+                        help="--decoder-rest: timed at min(N / P, this) tokens and scaled linearly in tokens above it "
+                             "(its GEMMs are linear in tokens; a 1M / 2 layer's MLP activations would not fit beside the ring's)")
     parser.add_argument("--max-seconds", type=float, default=480.0, help="stop starting new configurations after this")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
@@ -317,6 +430,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name(device)
     began = time.perf_counter()
     rows = []
+    rest_costs: dict[int, dict] = {}  # --decoder-rest, by timed token count
     print(f"{gpu}: kernel={impl} H={args.heads}/{args.kv_heads} D={args.head_dim} {args.dtype}, link {args.link_gbs:g} GB/s (assumed)")
     header = (f"{'mask':14s} {'N':>8s} {'P':>2s} {'balance':10s} {'kernel/rank ms':>15s} {'host ms':>8s} {'host/kernel':>11s} "
               f"{'per-call ms':>11s} {'pred ms':>8s} {'1-GPU ms':>9s} {'TF/GPU':>7s} {'1-GPU TF':>8s} {'ratio':>6s}")
@@ -401,6 +515,18 @@ def main() -> None:
                     pred_total = max(pred_device, host) if host == host else pred_device
                     tf_gpu = flops / p / (pred_total * 1e-3) / 1e12
                     tf_one = flops / (one * 1e-3) / 1e12
+                    decoder = None
+                    if args.decoder_rest:
+                        tokens = min(n // p, args.rest_max_tokens)
+                        if tokens not in rest_costs:
+                            rest_costs[tokens] = decoder_rest_cost(tokens, args, device, dtype)
+                        rest = rest_costs[tokens]
+                        rest_device = rest["device_ms"] * (n // p) / tokens  # its GEMMs: linear in tokens
+                        layer_device = pred_device + rest_device
+                        decoder = {"rest": rest, "rest_device_ms": rest_device, "layer_device_ms": layer_device,
+                                   # the CP attention's host time against the whole decoder layer's device time
+                                   "cp_host_share": host / layer_device,
+                                   "layer_host_ms": host + rest["host_ms"]}
                     graphed = per_rank[0].get("graphed")
                     if graphed is not None:  # the copies in and out are device work the eager layer does not do
                         graphed["device_ms"] = device_ms[0] + graphed["extra_device_ms"]
@@ -411,56 +537,34 @@ def main() -> None:
                                                                  args.link_gbs)
                         graphed["predicted_layer_ms"] = max(graphed["predicted_device_ms"], graphed["host_ms"])
                         graphed["ratio"] = flops / p / (graphed["predicted_layer_ms"] * 1e-3) / 1e12 / tf_one
+                        if decoder is not None:
+                            decoder["cp_host_share_graphed"] = graphed["host_ms"] / (
+                                graphed["predicted_device_ms"] + decoder["rest_device_ms"])
                     row = {"mask": mask_name, "n": n, "p": p, "balance": balance, "kernel": impl,
                            "visible_pairs": pairs, "ranks": per_rank, "kernel_ms_per_rank": kernel,
                            "device_ms_per_rank": device_ms, "chunk_bytes": chunk_bytes,
                            "transfers_per_rank": [sum(1 for b in bi if b) for bi in bytes_in],
                            "predicted_layer_ms": pred_total, "predicted_device_ms": pred_device, "single_gpu_ms": one,
                            "predicted_tf_per_gpu": tf_gpu, "single_gpu_tf": tf_one, "ratio": tf_gpu / tf_one,
-                           "host_over_kernel_rank0": host / device_ms[0] if device_ms[0] else None}
+                           "host_over_kernel_rank0": host / device_ms[0] if device_ms[0] else None, "decoder": decoder}
                     rows.append(row)
+                    write_results(args, gpu, impl, rows)  # after every row: a call cut short keeps what it measured
                     print(f"{mask_name:14s} {n:8d} {p:2d} {balance:10s} {max(device_ms):15.2f} {host:8.2f} "
                           f"{row['host_over_kernel_rank0']:11.1%} {per_rank[0].get('per_call_wall_ms', float('nan')):11.2f} "
                           f"{pred_total:8.2f} {one:9.2f} {tf_gpu:7.0f} {tf_one:8.0f} {row['ratio']:6.2f}", flush=True)
+                    if decoder is not None:
+                        print(f"{'  decoder layer':14s} rest of the layer {decoder['rest_device_ms']:.2f} ms device "
+                              f"({decoder['rest']['tokens']} tokens timed), CP host {decoder['cp_host_share']:.1%} of the "
+                              f"layer's device time" + (f", graphed {decoder['cp_host_share_graphed']:.1%}"
+                                                        if "cp_host_share_graphed" in decoder else ""), flush=True)
                     if graphed is not None:
                         print(f"{'  graphed':14s} {'':8s} {'':2s} {'':10s} {graphed['device_ms']:15.2f} {graphed['host_ms']:8.2f} "
                               f"{graphed['host_over_device']:11.1%} {'':11s} {graphed['predicted_layer_ms']:8.2f} {'':9s} "
                               f"{'':7s} {'':8s} {graphed['ratio']:6.2f}  {graphed['counters']}", flush=True)
             del q, k, v, dout
             torch.cuda.empty_cache()
-    args.out.mkdir(parents=True, exist_ok=True)
-    assumptions = {
-        "link_gbs_per_direction": args.link_gbs,
-        "link_note": "assumed, not measured: one GPU has no peer; NVLink 4 on H200 SXM is 450 GB/s per direction "
-                     "nominal, p2p copies reach roughly 350-390 GB/s in published nccl-tests",
-        "overlap": "each ring step's compute overlaps the next step's transfer (the ring posts step s+1 before computing "
-                   "step s); the first transfer is exposed; the backward's dK/dV return runs on the opposite direction "
-                   "of the full-duplex link",
-        "skew": "a layer ends when the slowest rank ends (per-rank totals from each rank's own measured steps)",
-        "host": "host time is hidden when below the layer's device time (measured per layer with the GPU kept busy); "
-                "a layer is max(modelled device time, rank 0's host time): above it the GPU waits for the launches "
-                "(since 2026-12-03, sixth session; earlier tables modelled the device alone)",
-        "not_modelled": "NCCL launch latency per transfer (~10-20 us), contention of several rings on one NVSwitch, "
-                        "the per-step agreement all-gather (once per step, not per layer)",
-    }
-    stem = f"cp_scaling_model_{gpu.replace(' ', '_').lower()}"
-    cmd = "python launch/bench/cp_layer_cost.py " + " ".join(sys.argv[1:])
-    (args.out / f"{stem}.json").write_text(json.dumps({"command": cmd, "device": gpu, "kernel": impl,
-                                                        "assumptions": assumptions, "rows": rows}, indent=1))
-    lines = [f"# CP per-layer cost on one {gpu}, and the scaling it predicts", "", f"`{cmd}`", "",
-             "| mask | N | P | balance | device ms/rank (max) | host ms (rank 0) | host/device | per-call prep ms | "
-             "predicted layer ms | 1-GPU ms | TF/GPU | 1-GPU TF | ratio | graphed: device ms, host ms, host/device, ratio |",
-             "|" + "---|" * 14]
-    for r in rows:
-        lines.append(f"| {r['mask']} | {r['n']} | {r['p']} | {r['balance']} | {max(r['device_ms_per_rank']):.2f} | "
-                     f"{r['ranks'][0].get('host_ms', float('nan')):.2f} | {r['host_over_kernel_rank0']:.1%} | "
-                     f"{r['ranks'][0].get('per_call_wall_ms', float('nan')):.2f} | {r['predicted_layer_ms']:.2f} | "
-                     f"{r['single_gpu_ms']:.2f} | {r['predicted_tf_per_gpu']:.0f} | {r['single_gpu_tf']:.0f} | {r['ratio']:.2f} | "
-                     + (f"{g['device_ms']:.2f}, {g['host_ms']:.2f}, {g['host_over_device']:.1%}, {g['ratio']:.2f} |"
-                        if (g := r['ranks'][0].get('graphed')) else "- |"))
-    lines += ["", "Assumptions:", ""] + [f"- {k}: {v}" for k, v in assumptions.items()]
-    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out / stem}.json and .md")
+    write_results(args, gpu, impl, rows)
+    print(f"wrote {args.out}/cp_scaling_model_*.json and .md")
 
 
 if __name__ == "__main__":
