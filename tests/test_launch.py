@@ -386,11 +386,13 @@ def test_cp_layer_cost_writes_the_decoder_share_column(tmp_path):
     row = {"mask": "docs", "n": 131072, "p": 4, "balance": "zigzag", "device_ms_per_rank": [5.0], "ranks": [{"host_ms": 4.0}],
            "host_over_kernel_rank0": 0.8, "predicted_layer_ms": 6.0, "single_gpu_ms": 20.0, "predicted_tf_per_gpu": 300,
            "single_gpu_tf": 450, "ratio": 0.66,
-           "decoder": {"layer_device_ms": 80.0, "cp_host_share": 0.05, "rest_device_ms": 74.0}}
+           "predicted_device_ms": 6.0, "decoder": {"layer_device_ms": 80.0, "cp_host_share": 0.05, "rest_device_ms": 74.0,
+                                                   "rest": {"host_ms": 1.0}}}
     write_results(args, "NVIDIA H200", "cute", [row, dict(row, decoder=None)])
     table = (tmp_path / "cp_scaling_model_nvidia_h200.md").read_text().splitlines()
     header = next(line for line in table if line.startswith("| mask"))
     body = [line for line in table if line.startswith("| docs")]
-    assert header.count("|") == body[0].count("|") == body[1].count("|") == 17
-    assert body[0].endswith("| 80.00 | 5.0%, - |") and body[1].endswith("| - | - |")
+    assert header.count("|") == body[0].count("|") == body[1].count("|") == 18
+    # one GPU's layer: 20 + 4 x 74 ms over 4 GPUs = 79 ms ideal per GPU; the CP layer max(6 + 74, 4 + 1) = 80 ms
+    assert body[0].endswith("| 80.00 | 5.0%, - | 0.99, - |") and body[1].endswith("| - | - | - |")
     assert "decoder_layer" in json.loads((tmp_path / "cp_scaling_model_nvidia_h200.json").read_text())["assumptions"]

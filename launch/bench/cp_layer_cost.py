@@ -338,6 +338,20 @@ def predict(steps: list[dict], bytes_in: list[list[int]], serial_ms: list[float]
     return worst
 
 
+def decoder_ratios(row: dict) -> tuple[float, float]:
+    """Per-GPU efficiency of a whole decoder layer under CP against one GPU running that layer at all N
+    tokens, eager and graphed (nan where graphs were not timed). One GPU's layer = its attention
+    (measured) + P x a rank's rest of the layer (linear in tokens); a CP layer = max(device: modelled
+    attention + the rest; host: the attention's + the rest's), the host hidden while below."""
+    d, p = row["decoder"], row["p"]
+    rest, rest_host = d["rest_device_ms"], d["rest"]["host_ms"]
+    ideal = (row["single_gpu_ms"] + p * rest) / p
+    eager = ideal / max(row["predicted_device_ms"] + rest, row["ranks"][0]["host_ms"] + rest_host)
+    g = row["ranks"][0].get("graphed")
+    graphed = ideal / max(g["predicted_device_ms"] + rest, g["host_ms"] + rest_host) if g else float("nan")
+    return eager, graphed
+
+
 def write_results(args, gpu: str, impl: str, rows: list[dict]) -> None:
     """``--out/cp_scaling_model_<device>.json`` and ``.md``: the rows so far and the model's assumptions."""
     args.out.mkdir(parents=True, exist_ok=True)
@@ -368,9 +382,10 @@ def write_results(args, gpu: str, impl: str, rows: list[dict]) -> None:
                                                         "assumptions": assumptions, "rows": rows}, indent=1))
     lines = [f"# CP per-layer cost on one {gpu}, and the scaling it predicts", "", f"`{cmd}`", "",
              "| mask | N | P | balance | device ms/rank (max) | host ms (rank 0) | host/device | per-call prep ms | "
-             "predicted layer ms | 1-GPU ms | TF/GPU | 1-GPU TF | ratio | graphed: device ms, host ms, host/device, ratio |"
-             + (" decoder layer device ms | CP host / layer (eager, graphed) |" if args.decoder_rest else ""),
-             "|" + "---|" * (16 if args.decoder_rest else 14)]
+             "predicted layer ms | 1-GPU ms | TF/GPU | 1-GPU TF | ratio | graphed: device ms (rank 0), host ms, host/device, ratio |"
+             + (" decoder layer device ms | CP host / layer (eager, graphed) | decoder layer ratio (eager, graphed) |"
+                if args.decoder_rest else ""),
+             "|" + "---|" * (17 if args.decoder_rest else 14)]
     for r in rows:
         lines.append(f"| {r['mask']} | {r['n']} | {r['p']} | {r['balance']} | {max(r['device_ms_per_rank']):.2f} | "
                      f"{r['ranks'][0].get('host_ms', float('nan')):.2f} | {r['host_over_kernel_rank0']:.1%} | "
@@ -379,8 +394,9 @@ def write_results(args, gpu: str, impl: str, rows: list[dict]) -> None:
                      + (f"{g['device_ms']:.2f}, {g['host_ms']:.2f}, {g['host_over_device']:.1%}, {g['ratio']:.2f} |"
                         if (g := r['ranks'][0].get('graphed')) else "- |")
                      + (f" {d['layer_device_ms']:.2f} | {d['cp_host_share']:.1%}, "
-                        f"{d.get('cp_host_share_graphed', float('nan')):.1%} |".replace("nan%", "-") if (d := r.get("decoder")) else
-                        (" - | - |" if args.decoder_rest else "")))
+                        f"{d.get('cp_host_share_graphed', float('nan')):.1%} | "
+                        "{:.2f}, {:.2f} |".format(*decoder_ratios(r)).replace("nan%", "-").replace("nan", "-")
+                        if (d := r.get("decoder")) else (" - | - | - |" if args.decoder_rest else "")))
     lines += ["", "Assumptions:", ""] + [f"- {k}: {v}" for k, v in assumptions.items()]
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
