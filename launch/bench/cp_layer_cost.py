@@ -31,6 +31,12 @@ a layer ends when the slowest rank does, and never before rank 0's host time (a 
 makes the GPU wait). Predicted effective TF/GPU (visible pairs, 3.5 x forward FLOPs for forward +
 backward) against the single-GPU kernel on the whole sequence, same process.
 
+``--decoder-rest`` also times the rest of a LoRA-trained Llama-style decoder layer (:class:`DecoderRest`:
+projections with adapters, norms, MLP; forward + backward) at N / P tokens on the same GPU, and reports
+the ring's host time against the whole layer's device time and the whole layer's per-GPU efficiency
+against one GPU running it over all N tokens (:func:`decoder_ratios`): the attention's host time only
+slows training where it exceeds what the GPU has queued.
+
 ``--graphs`` also runs the host ranks' layers captured as CUDA graphs (``prepare(...,
 cuda_graphs=True)``: the step's second layer captures, later ones replay): their host ms, the device
 work the graphs add (copies into the static inputs, clones of the outputs) and the same model with
