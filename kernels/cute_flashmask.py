@@ -31,7 +31,7 @@ import itertools
 import torch
 from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
-from fm_parallel.kernels import cute_fa4_patches
+from fm_parallel.kernels import cute_fa4_patches, fa4_launch
 from fm_parallel.kernels.custom_op import define_attention_op
 from fm_parallel.kernels.cute_mask_mod import flashmask_mask_mod
 from fm_parallel.kernels.fa4_sparsity import (cost_order, fa4_block_sparsity, fa4_block_sparsity_consecutive,
@@ -139,32 +139,53 @@ def _varlen(t: torch.Tensor) -> torch.Tensor:
     return t.squeeze(0).transpose(0, 1)
 
 
+def _launches(mask: FlashMask) -> dict:
+    """The mask's recorded FA4 launches (:mod:`.fa4_launch`): they keep its block lists and bounds, and
+    go with it."""
+    return mask.cached("fa4_launches", dict)
+
+
 def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None):
     """Forward: ``out [B, Hq, Nq, Dv]`` (q's dtype) and ``lse [B, Hq, Nq]`` float32 (natural log;
     ``-inf`` and a zero output for rows that see no key)."""
     out = q.new_empty(*q.shape[:3], v.shape[-1])
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    keep: list = []  # what each FA4 call is handed from the mask (the launch records keep it)
     dense = _dense_path(mask, q, k, q_offset)
     if dense is not None:
         path, cu, longest = dense
         paths[path] += 1
         if path == "fa4_causal":
-            _flash_attn_fwd(_bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, causal=True, return_lse=True,
-                            out=out.transpose(1, 2), lse=lse)
+            args = (_bshd(q), _bshd(k), _bshd(v), out.transpose(1, 2), lse)
+
+            def call():
+                _flash_attn_fwd(*args[:3], softmax_scale=scale, causal=True, return_lse=True, out=args[3], lse=args[4])
         else:
-            _flash_attn_fwd(_varlen(q), _varlen(k), _varlen(v), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                            max_seqlen_k=longest, softmax_scale=scale, causal=True, return_lse=True,
-                            out=_varlen(out), lse=lse.squeeze(0))
+            args = (_varlen(q), _varlen(k), _varlen(v), _varlen(out), lse.squeeze(0))
+            keep.append(cu)
+
+            def call():
+                _flash_attn_fwd(*args[:3], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
+                                softmax_scale=scale, causal=True, return_lse=True, out=args[3], lse=args[4])
+        fa4_launch.launch(_launches(mask), ("fwd", path, scale, longest), args, keep, call)
         return out, lse
     paths["block_sparse"] += 1
     hq, d = q.shape[1], q.shape[-1]
-    fwd_sparsity, _, fwd_order, _ = _sparsity(mask, positions, hq, d, q_offset)
-    mask_mod, aux = _mask_args(mask, positions, hq, q_offset, fwd_order)
     # Outputs allocated in our layout and handed to FA4 as [B, N, H, D] views: no copies either way.
-    _flash_attn_fwd(
-        _bshd(q), _bshd(k), _bshd(v), softmax_scale=scale, mask_mod=mask_mod, aux_tensors=aux,
-        block_sparse_tensors=fwd_sparsity, return_lse=True, out=out.transpose(1, 2), lse=lse,
-    )
+    args = (_bshd(q), _bshd(k), _bshd(v), out.transpose(1, 2), lse)
+
+    def call():
+        fwd_sparsity, _, fwd_order, _ = _sparsity(mask, positions, hq, d, q_offset)
+        mask_mod, aux = _mask_args(mask, positions, hq, q_offset, fwd_order)
+        keep.extend((fwd_sparsity, aux))
+        _flash_attn_fwd(*args[:3], softmax_scale=scale, mask_mod=mask_mod, aux_tensors=aux,
+                        block_sparse_tensors=fwd_sparsity, return_lse=True, out=args[3], lse=args[4])
+
+    if q_offset is None:  # arbitrary rows: block lists made per call (no cheap key), so FA4's own path
+        call()
+    else:
+        fa4_launch.launch(_launches(mask), ("fwd", "block_sparse", scale, q_offset, positions.numel(), OPTIONS),
+                          args, keep, call)
     return out, lse
 
 
@@ -177,28 +198,42 @@ def cute_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, 
     with atomics here. ``flashmask_attention`` refuses ``impl="cute", deterministic=True`` at its
     boundary; ``deterministic`` is accepted for the shared launcher interface."""
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    keep: list = []
     dense = _dense_path(mask, q, k, q_offset)
     if dense is not None:
         path, cu, longest = dense
         if path == "fa4_causal":
-            _flash_attn_bwd(_bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse.contiguous(), scale, causal=True,
-                            dlse=None if dlse is None else dlse.contiguous(),
-                            dq=dq.transpose(1, 2), dk=dk.transpose(1, 2), dv=dv.transpose(1, 2))
+            args = (_bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse.contiguous(),
+                    None if dlse is None else dlse.contiguous(), dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2))
+
+            def call():
+                _flash_attn_bwd(*args[:6], scale, causal=True, dlse=args[6], dq=args[7], dk=args[8], dv=args[9])
         else:
-            _flash_attn_bwd(_varlen(q), _varlen(k), _varlen(v), _varlen(out), _varlen(dout),
-                            lse.squeeze(0).contiguous(), scale, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
-                            dlse=None if dlse is None else dlse.squeeze(0).contiguous(),
-                            dq=_varlen(dq), dk=_varlen(dk), dv=_varlen(dv))
+            args = (_varlen(q), _varlen(k), _varlen(v), _varlen(out), _varlen(dout), lse.squeeze(0).contiguous(),
+                    None if dlse is None else dlse.squeeze(0).contiguous(), _varlen(dq), _varlen(dk), _varlen(dv))
+            keep.append(cu)
+
+            def call():
+                _flash_attn_bwd(*args[:6], scale, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                max_seqlen_k=longest, dlse=args[6], dq=args[7], dk=args[8], dv=args[9])
+        fa4_launch.launch(_launches(mask), ("bwd", path, scale, longest), args, keep, call)
         return dq, dk, dv
     hq, d = q.shape[1], q.shape[-1]
-    _, bwd_sparsity, _, bwd_order = _sparsity(mask, positions, hq, d, q_offset)
-    mask_mod, aux = _mask_args(mask, positions, hq, q_offset, bwd_order)
-    _flash_attn_bwd(
-        _bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse.contiguous(), scale,
-        deterministic=False, mask_mod=mask_mod, aux_tensors=aux,
-        block_sparse_tensors=bwd_sparsity, dlse=None if dlse is None else dlse.contiguous(),
-        dq=dq.transpose(1, 2), dk=dk.transpose(1, 2), dv=dv.transpose(1, 2),
-    )
+    args = (_bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse.contiguous(),
+            None if dlse is None else dlse.contiguous(), dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2))
+
+    def call():
+        _, bwd_sparsity, _, bwd_order = _sparsity(mask, positions, hq, d, q_offset)
+        mask_mod, aux = _mask_args(mask, positions, hq, q_offset, bwd_order)
+        keep.extend((bwd_sparsity, aux))
+        _flash_attn_bwd(*args[:6], scale, deterministic=False, mask_mod=mask_mod, aux_tensors=aux,
+                        block_sparse_tensors=bwd_sparsity, dlse=args[6], dq=args[7], dk=args[8], dv=args[9])
+
+    if q_offset is None:
+        call()
+    else:
+        fa4_launch.launch(_launches(mask), ("bwd", "block_sparse", scale, q_offset, positions.numel(), OPTIONS),
+                          args, keep, call)
     return dq, dk, dv
 
 

@@ -317,6 +317,10 @@ def test_h200_session_stages_build_the_intended_commands(tmp_path):
     one = stage("verify")
     assert one.returncode == 0 and "verify_gpu.py --impls cute triton" in one.stdout, one.stdout + one.stderr
     assert (site / "nvidia_cutlass_dsl").is_dir()
+    launches = stage("launches")  # the CP layer cost with the recorded FA4 launches, then without
+    lines = [line for line in launches.stdout.splitlines() if "cp_layer_cost.py" in line]
+    assert launches.returncode == 0 and len(lines) == 2, launches.stdout + launches.stderr
+    assert "--fa4-python" not in lines[0] and "--fa4-python" in lines[1] and "--decoder-rest" in lines[1]
 
 
 @pytest.mark.parametrize("name", ["causal", "docs", "dpo", "sliding", "prefix", "multi", "window_sinks", "global_window"])
@@ -396,3 +400,24 @@ def test_cp_layer_cost_writes_the_decoder_share_column(tmp_path):
     # one GPU's layer: 20 + 4 x 74 ms over 4 GPUs = 79 ms ideal per GPU; the CP layer max(6 + 74, 4 + 1) = 80 ms
     assert body[0].endswith("| 80.00 | 5.0%, - | 0.99, - |") and body[1].endswith("| - | - | - |")
     assert "decoder_layer" in json.loads((tmp_path / "cp_scaling_model_nvidia_h200.json").read_text())["assumptions"]
+
+
+def test_cp_layer_cost_model_follows_the_rings_order_of_work():
+    """The own chunk's kernels hide the first transfer; a transfer longer than the step before it is
+    exposed by the difference; the last dK / dV return shows only where it outlasts the steps after it;
+    the slowest rank ends the layer."""
+    from launch.bench.cp_layer_cost import predict
+
+    gb = 1e6  # bytes that take 1 ms at 1 GB/s
+    # rank 0: own 2 ms, step 1 1 ms (its transfer 1.5 ms: hidden by the own chunk), step 2 0.5 ms whose
+    # 3 ms transfer outlasts step 1 by 2 ms; backward the same kernels. Its last return (step 2's,
+    # 3 ms) comes after the last kernel: all exposed.
+    steps = [{"fwd": [2.0, 1.0, 0.5], "bwd": [2.0, 1.0, 0.5]}]
+    fwd = 2.0 + 3.0 + 0.5  # max(2, 1.5) + max(1, 3) + 0.5
+    assert predict(steps, [[0, 1.5 * gb, 3 * gb]], [0.25], 1.0) == pytest.approx(0.25 + 2 * fwd + 3.0)
+    # no transfer in the last step: the return of step 1 (1.5 ms) hides behind step 2's 2 ms of kernels
+    steps = [{"fwd": [2.0, 1.0, 2.0], "bwd": [2.0, 1.0, 2.0]}]
+    assert predict(steps, [[0, 1.5 * gb, 0]], [0.0], 1.0) == pytest.approx(2 * (2.0 + 1.0 + 2.0))
+    # a rank that does not see its own keys waits for its first chunk
+    steps = [{"fwd": [0.0, 1.0], "bwd": [0.0, 1.0]}, {"fwd": [0.5, 0.0], "bwd": [0.5, 0.0]}]
+    assert predict(steps, [[0, 2 * gb], [0, 0]], [0.0, 0.0], 1.0) == pytest.approx(2 * (2.0 + 1.0) + 2.0)

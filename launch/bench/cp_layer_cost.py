@@ -325,12 +325,17 @@ def graphed_cost(args, mask, plan, rank, q, k, v, dout, impl, device, host_mask,
 
 
 def predict(steps: list[dict], bytes_in: list[list[int]], serial_ms: list[float], link_gbs: float) -> float:
-    """Modelled ms of one layer. Per rank and phase (forward, backward), each step's kernels overlap
-    the next step's transfer and the first transfer is exposed; the backward moves the same K/V bytes
-    in and dK/dV bytes out on the other direction of the full-duplex link, so its per-step transfer
-    time is the forward's. ``serial_ms[r]``: rank r's other device work (merges, accumulations). The
-    layer ends with the slowest rank. ``steps[r][phase][s]``: kernel ms of step s (0 = own chunk);
-    ``bytes_in[r][s]``: bytes rank r receives in step s."""
+    """Modelled ms of one layer, following the ring's order of work (``fm_parallel/distributed/ring.py``).
+
+    Per rank and phase (forward, backward): the ring posts step s + 1's transfer before it computes
+    step s (the own chunk is step 0), so step s costs max(its kernels, step s + 1's transfer); a rank
+    that sees its own keys waits for no transfer before its first kernel. In the backward each used
+    chunk's dK / dV go back to the chunk's owner on the other direction of the full-duplex link while
+    the later steps compute; the part of the last such return that outlasts the steps after it is
+    exposed. The backward's K / V move again, like the forward's. ``serial_ms[r]``: rank r's other
+    device work (merges, sums). The layer ends with the slowest rank. ``steps[r][phase][s]``: kernel ms
+    of step s (0 = own chunk); ``bytes_in[r][s]``: bytes rank r receives in step s (the key window it
+    sees, K and V; its dK / dV return is the same size)."""
     worst = 0.0
     for r, rank_steps in enumerate(steps):
         world = len(bytes_in[r])
@@ -338,8 +343,11 @@ def predict(steps: list[dict], bytes_in: list[list[int]], serial_ms: list[float]
         total = serial_ms[r]
         for phase in ("fwd", "bwd"):
             c = rank_steps[phase]
-            total += xfer[1] if world > 1 else 0.0
             total += sum(max(c[s], xfer[s + 1] if s + 1 < world else 0.0) for s in range(world))
+        returned = [s for s in range(1, world) if bytes_in[r][s]]
+        if returned:
+            last = returned[-1]
+            total += max(0.0, xfer[last] - sum(rank_steps["bwd"][last + 1:]))
         worst = max(worst, total)
     return worst
 
@@ -366,8 +374,12 @@ def write_results(args, gpu: str, impl: str, rows: list[dict]) -> None:
         "link_note": "assumed, not measured: one GPU has no peer; NVLink 4 on H200 SXM is 450 GB/s per direction "
                      "nominal, p2p copies reach roughly 350-390 GB/s in published nccl-tests",
         "overlap": "each ring step's compute overlaps the next step's transfer (the ring posts step s+1 before computing "
-                   "step s); the first transfer is exposed; the backward's dK/dV return runs on the opposite direction "
-                   "of the full-duplex link",
+                   "step s, the own chunk being step 0, so the first transfer hides behind the own chunk's kernels); the "
+                   "backward's dK/dV return runs on the opposite direction of the full-duplex link behind the later "
+                   "steps, the last return's remainder exposed (since 2026-12-04; before, the first transfer of each "
+                   "phase was counted exposed on top)",
+        "bytes": "each step moves the key window the receiving rank sees (K and V; since 2026-12-04; before, whole "
+                 "N / P chunks, though key windows travel since the 2026-12-03 sessions)",
         "skew": "a layer ends when the slowest rank ends (per-rank totals from each rank's own measured steps)",
         "host": "host time is hidden when below the layer's device time (measured per layer with the GPU kept busy); "
                 "a layer is max(modelled device time, rank 0's host time): above it the GPU waits for the launches "
@@ -436,6 +448,9 @@ def main() -> None:
     parser.add_argument("--rest-max-tokens", type=int, default=32768,
                         help="--decoder-rest: timed at min(N / P, this) tokens and scaled linearly in tokens above it "
                              "(its GEMMs are linear in tokens; a 1M / 2 layer's MLP activations would not fit beside the ring's)")
+    parser.add_argument("--fa4-python", action="store_true",
+                        help="every FA4 call through FA4's own Python (fm_parallel.kernels.fa4_launch off), to measure "
+                             "what the recorded launches save")
     parser.add_argument("--max-seconds", type=float, default=480.0, help="stop starting new configurations after this")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
@@ -444,6 +459,9 @@ def main() -> None:
     from fm_parallel.distributed import shard
     from fm_parallel.distributed.sharding import pair_counts
 
+    from fm_parallel.kernels import fa4_launch
+
+    fa4_launch.ENABLED = not args.fa4_python
     device = torch.device(args.device)
     if device.type != "cuda":
         raise SystemExit("cp_layer_cost.py times CUDA kernels; --device cpu is not supported (use ring_cpu.py)")
@@ -481,7 +499,8 @@ def main() -> None:
                         continue
                     plan = shard(mask_cpu, p, balance)
                     table = pair_counts(mask_cpu, plan.positions)
-                    chunk_bytes = 2 * (n // p) * args.kv_heads * args.head_dim * q.element_size()
+                    per_key = 2 * args.kv_heads * args.head_dim * q.element_size()  # one key's K and V rows
+                    chunk_bytes = per_key * (n // p)
                     per_rank, bytes_in = [], []
                     for r in range(p):
                         layer, timer = rank_layer(args, mask, plan, r, q, k, v, dout, impl, False, True, device, mask_cpu)
@@ -505,8 +524,10 @@ def main() -> None:
                         entry = {"rank": r, "step_ms": per_step, "steps_host_ahead": host_ahead,
                                  "device_ms": profile_ms(layer, args.layers)}
                         if r < args.host_ranks:
+                            timer.record = False  # training records no events: time the launches alone (since 2026-12-04)
                             entry["host_ms"], entry["host_syncs"], entry["host_ms_spread"] = host_ms(layer, args.layers,
                                                                             sleep_ms=max(50.0, 4 * entry["device_ms"]["total"]))
+                            timer.record = True
                             if args.cprofile:
                                 entry["host_top"] = top_host(layer, args.layers, lines=30, sort=("tottime", "cumulative"))
                                 print(entry["host_top"])
@@ -527,7 +548,10 @@ def main() -> None:
                                 entry["graphed"] = graphed_cost(args, mask, plan, r, q, k, v, dout, impl, device, mask_cpu,
                                                                 entry["device_ms"]["total"])
                         per_rank.append(entry)
-                        bytes_in.append([0] + [chunk_bytes if table[r, (r - s) % p] > 0 else 0 for s in range(1, p)])
+                        # the key window each step receives (K and V; what post_kv sends), from the rank's prepared mask
+                        windows = [layer.state["prepared"].key_window((r - s) % p) for s in range(p)]
+                        bytes_in.append([0] + [per_key * (windows[s][1] - windows[s][0]) if table[r, (r - s) % p] > 0 else 0
+                                               for s in range(1, p)])
                     kernel = [sum(e["step_ms"]["fwd"]) + sum(e["step_ms"]["bwd"]) for e in per_rank]
                     device_ms = [e["device_ms"]["total"] - e["device_ms"]["copy"] for e in per_rank]  # without stand-ins
                     serial = [max(0.0, d - kk) for d, kk in zip(device_ms, kernel)]
@@ -564,11 +588,12 @@ def main() -> None:
                                 graphed["predicted_device_ms"] + decoder["rest_device_ms"])
                     row = {"mask": mask_name, "n": n, "p": p, "balance": balance, "kernel": impl,
                            "visible_pairs": pairs, "ranks": per_rank, "kernel_ms_per_rank": kernel,
-                           "device_ms_per_rank": device_ms, "chunk_bytes": chunk_bytes,
+                           "device_ms_per_rank": device_ms, "chunk_bytes": chunk_bytes, "bytes_in": bytes_in,
                            "transfers_per_rank": [sum(1 for b in bi if b) for bi in bytes_in],
                            "predicted_layer_ms": pred_total, "predicted_device_ms": pred_device, "single_gpu_ms": one,
                            "predicted_tf_per_gpu": tf_gpu, "single_gpu_tf": tf_one, "ratio": tf_gpu / tf_one,
-                           "host_over_kernel_rank0": host / device_ms[0] if device_ms[0] else None, "decoder": decoder}
+                           "host_over_kernel_rank0": host / device_ms[0] if device_ms[0] else None, "decoder": decoder,
+                           "fa4_launch": dict(fa4_launch.counters, enabled=fa4_launch.ENABLED)}
                     rows.append(row)
                     write_results(args, gpu, impl, rows)  # after every row: a call cut short keeps what it measured
                     print(f"{mask_name:14s} {n:8d} {p:2d} {balance:10s} {max(device_ms):15.2f} {host:8.2f} "

@@ -55,6 +55,8 @@
 #   bash launch/bench/h200_session.sh graphs   # carry [".fa4one", ".fa4extra"]: the ring's layers captured as CUDA
 #                                              # graphs: tests/distributed/test_ring_graphs.py on the GPU, then
 #                                              # cp_layer_cost.py --graphs (128k, P 4 8, docs, sliding + sinks)
+#   bash launch/bench/h200_session.sh launches # carry [".fa4one", ".fa4extra"]: FA4's compiled launches replayed without
+#                                              # its Python (fa4_launch): the GPU tests, then cp_layer_cost with / without
 #   NS="16384 65536" bash launch/bench/h200_session.sh costs   # carry [".fa4one"]: partial vs full tile cost
 #                                                   # (cute_tile_costs.py), then cute / FA4 / Flex-FLASH at NS
 #
@@ -70,8 +72,8 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 stage=${1:-}
 shift || true
-case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost|cpall|dpo|next|issue21|sched|schedab|tbwd|trainer|hostprof|graphs) ;; *)
-  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost|cpall|dpo|next|issue21|sched|schedab|tbwd|trainer|hostprof|graphs" >&2; exit 2 ;; esac
+case "$stage" in pack|unpack-libs|verify|kernel|tune|ab|costs|final|hf|cp|cpcost|cpall|dpo|next|issue21|sched|schedab|tbwd|trainer|hostprof|graphs|launches) ;; *)
+  echo "usage: bash launch/bench/h200_session.sh pack|unpack-libs|verify|kernel [MASK ...]|tune|ab|costs [MASK ...]|final [MASK ...]|hf|cp|cpcost|cpall|dpo|next|issue21|sched|schedab|tbwd|trainer|hostprof|graphs|launches" >&2; exit 2 ;; esac
 if [ "$stage" = pack ]; then  # on this machine, not the GPU one
   tmp=$(mktemp -d); tar xJf .fa4big/libs_cu13.tar.xz -C "$tmp"
   for w in .fa4/*.whl; do python3 -m zipfile -e "$w" "$tmp"; done
@@ -218,6 +220,18 @@ case "$stage" in
     timeout ${COST_TIMEOUT:-330} python3 launch/bench/cp_layer_cost.py --out "$OUT" --graphs \
       ${COST_ARGS:---ns 131072 --ps 4 8 --masks docs sliding_sinks --balances zigzag --layers 3 --max-seconds 200} 2>&1 \
       | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/cp_layer_cost_graphs.log" || true ;;
+  launches)  # FA4 launches recorded once and replayed (kernels/fa4_launch.py): the GPU tests (replays equal FA4's own
+    # path; the ring layer after layer, graphed and eager), then the CP layer cost with and without them
+    fa4
+    { timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -rA -p no:cacheprovider tests/kernels/test_fa4_launch.py \
+        tests/distributed/test_ring_graphs.py 2>&1 || true; } | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|Error" \
+      | tee "$OUT/launch_tests.log" || true
+    for mode in on off; do
+      flag=""; [ $mode = off ] && flag="--fa4-python"
+      timeout ${COST_TIMEOUT:-150} python3 launch/bench/cp_layer_cost.py --out "$OUT/$mode" $flag \
+        ${COST_ARGS:---ns 131072 --ps 4 8 --masks docs sliding_sinks --balances zigzag --layers 2 --decoder-rest --max-seconds 110} \
+        2>&1 | grep -v "UserWarning\|exe_args\|warnings.warn" | tee "$OUT/cp_layer_cost_launches_$mode.log" || true
+    done ;;
   hostprof)
     fa4
     timeout ${COST_TIMEOUT:-300} python3 launch/bench/cp_layer_cost.py --out "$OUT/hostprof" --ns 131072 --ps 8 \

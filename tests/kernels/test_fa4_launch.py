@@ -1,0 +1,182 @@
+"""FA4 launches recorded once and replayed (fm_parallel.kernels.fa4_launch), against a stand-in for FA4's
+interface module: functions with a ``compile_cache`` whose compiled kernels do their work outside
+PyTorch's dispatcher (as FA4's do, through TVM FFI), allocating temporaries and views on the way as FA4
+does. The replay must equal FA4's own path on new values, and anything it cannot map exactly must
+leave the signature on FA4's path. The real interface runs on the H200 (launch/bench/verify_gpu.py,
+verify_multi_gpu.py)."""
+
+import sys
+import types
+from typing import NamedTuple
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from fm_parallel.kernels import fa4_launch
+
+
+class Aux(NamedTuple):
+    tensors: tuple | list | None = None
+    scalars: tuple | None = None
+
+
+def _kernel(x, tmp, acc, out, scale, aux):
+    """A 'compiled' kernel: accumulates into ``acc`` (so it must start at zero), writes ``out``."""
+    with _disable_current_modes():
+        tmp.copy_(x * scale)
+        acc.add_(tmp)
+        acc.add_(tmp)
+        out.copy_((acc + aux.tensors[0]).T)  # out: the transposed view FA4 made of ours
+
+
+def _make_interface(monkeypatch, *, python_op=False, stray=None):
+    module = types.ModuleType("fake_fa4_interface")
+
+    def fwd(x, out, bias, scale=0.5):
+        tmp = torch.empty(x.shape)  # overwritten by the kernel
+        acc = torch.zeros_like(x).T.T  # zero-filled, then a view of it is passed
+        if python_op:
+            out.mul_(1.0)  # a tensor operation outside the compiled kernels: cannot be replayed
+        key = (x.dtype, tuple(x.shape) != ())
+        if key not in fwd.compile_cache:
+            fwd.compile_cache[key] = _kernel
+        fwd.compile_cache[key](x.detach(), tmp, acc, out.transpose(0, 1), scale,
+                               Aux([bias if stray is None else stray], None))
+
+    fwd.compile_cache = {}
+    module.fwd = fwd
+    monkeypatch.setitem(sys.modules, "fake_fa4_interface", module)
+    monkeypatch.setattr(fa4_launch, "INTERFACE", "fake_fa4_interface")
+    monkeypatch.setattr(fa4_launch, "counters", fa4_launch.counters.__class__())
+    return module
+
+
+def _run(module, store, x, bias, keep=True):
+    out = torch.empty(x.shape[1], x.shape[0])
+    view = out.transpose(0, 1)  # FA4 is handed our output as a transposed view, as cute_flashmask does
+    fa4_launch.launch(store, ("fwd", 0.5), (x, view), [bias] if keep else [], lambda: module.fwd(x, view, bias))
+    return out
+
+
+def _want(x, bias):
+    return (2 * 0.5 * x + bias).T
+
+
+def test_a_recorded_launch_replays_on_new_values_as_fa4_would(monkeypatch):
+    module = _make_interface(monkeypatch)
+    store, bias = {}, torch.randn(3, 4)
+    for step in range(4):  # compiles (retried), records, replays, replays
+        x = torch.randn(3, 4, requires_grad=True)
+        torch.testing.assert_close(_run(module, store, x, bias), _want(x.detach(), bias), rtol=0, atol=0)
+    assert fa4_launch.counters == {"retried": 1, "recorded": 1, "replayed": 2}
+    (record,) = store.values()
+    allocs = [step for step in record.program if step[0] == "alloc"]
+    assert [value for *_, value in allocs] == [None, 0]  # empty stays empty, zeros are zeroed again
+    calls = [step for step in record.program if step[0] == "call"]
+    assert len(calls) == 1 and calls[0][1] is _kernel
+
+
+def test_the_replay_zero_fills_what_fa4_zeroed(monkeypatch):
+    """Poisoned allocations: a replay that skipped the zero fill would add the poison into the output."""
+    module = _make_interface(monkeypatch)
+    store, bias = {}, torch.randn(3, 4)
+    for _ in range(2):
+        _run(module, store, torch.randn(3, 4), bias)
+    real_empty_strided = torch.empty_strided
+    monkeypatch.setattr(torch, "empty_strided", lambda *a, **k: real_empty_strided(*a, **k).fill_(1e6))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(_run(module, store, x, bias), _want(x, bias), rtol=0, atol=0)
+    assert fa4_launch.counters["replayed"] == 1
+
+
+def test_a_new_signature_records_again(monkeypatch):
+    module = _make_interface(monkeypatch)
+    store, bias = {}, torch.randn(3, 4)
+    for _ in range(3):
+        _run(module, store, torch.randn(3, 4), bias)
+    x = torch.randn(3, 4, dtype=torch.float64)  # another dtype: another signature (and compile)
+    for _ in range(3):
+        torch.testing.assert_close(_run(module, store, x.float().double(), bias), _want(x, bias).float(),
+                                   rtol=1e-6, atol=1e-6)
+    assert len(store) == 2 and fa4_launch.counters["recorded"] == 2
+
+
+@pytest.mark.parametrize("problem", ["python_op", "stray_tensor", "keep_missing"])
+def test_what_cannot_be_replayed_stays_on_fa4s_path_and_right(monkeypatch, problem):
+    stray = torch.randn(3, 4)
+    module = _make_interface(monkeypatch, python_op=problem == "python_op",
+                             stray=stray if problem == "stray_tensor" else None)
+    store, bias = {}, torch.randn(3, 4)
+    for _ in range(4):
+        x = torch.randn(3, 4)
+        got = _run(module, store, x, bias, keep=problem != "keep_missing")
+        torch.testing.assert_close(got, _want(x, stray if problem == "stray_tensor" else bias), rtol=0, atol=0)
+    assert fa4_launch.counters["refused"] == 1 and "replayed" not in fa4_launch.counters
+    (record,) = store.values()
+    assert record.refused and record.program is None
+
+
+def test_switched_off_every_call_takes_fa4s_path(monkeypatch):
+    module = _make_interface(monkeypatch)
+    monkeypatch.setattr(fa4_launch, "ENABLED", False)
+    store, bias = {}, torch.randn(3, 4)
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(_run(module, store, x, bias), _want(x, bias), rtol=0, atol=0)
+    assert not store and not fa4_launch.counters
+
+
+def test_the_signature_sees_shape_strides_dtype_and_alignment():
+    base = torch.zeros(64, dtype=torch.bfloat16)
+    a, b = base[:32], base[1:33]  # same shape and stride, 2 bytes apart: FA4 would copy the misaligned one
+    assert fa4_launch.signature([a]) != fa4_launch.signature([b])
+    assert fa4_launch.signature([a, None]) != fa4_launch.signature([a.view(4, 8)])
+    assert fa4_launch.signature([a]) == fa4_launch.signature([base[8:40]])  # 16 bytes on: the same
+
+
+def _fa4_on_gpu() -> bool:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return False
+    try:
+        import flash_attn.cute  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _fa4_on_gpu(), reason="needs a Hopper GPU and flash-attn-4 (the [cute] extra); CPU: the stand-in above")
+@pytest.mark.parametrize("family", ["sliding_window", "causal", "packed_docs", "docs_row_window"])
+def test_replayed_fa4_launches_equal_fa4s_own_path_on_the_gpu(monkeypatch, family):
+    """Through the backend's launchers, the same mask on new values each call: forward bitwise equal
+    to FA4's own path, gradients within the atomics' reordering; later calls replayed, none refused.
+    Covers the block-sparse path (whole rows, and a ring-like row window with a q offset), FA4's
+    causal kernel and its varlen kernel (packed causal documents, known from the host mask)."""
+    from fm_parallel import masks
+    from fm_parallel.kernels import cute_flashmask as cute
+
+    monkeypatch.setattr(fa4_launch, "counters", fa4_launch.counters.__class__())
+    n, device = 2048, torch.device("cuda")
+    host = {"sliding_window": masks.sliding_window(n, 300, sinks=4), "causal": masks.causal(n),
+            "packed_docs": masks.document([700, 900, 448]), "docs_row_window": masks.document([700, 900, 448])}[family]
+    mask = host.to(device)
+    rows = slice(640, 1536) if family == "docs_row_window" else slice(0, n)
+    positions = torch.arange(rows.start, rows.stop, device=device)
+    q_offset = rows.start
+    torch.manual_seed(0)
+    for call in range(4):
+        q = torch.randn(1, 8, rows.stop - rows.start, 128, device=device, dtype=torch.bfloat16)
+        k, v = (torch.randn(1, 2, n, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
+        dout = torch.randn_like(q)
+        results = {}
+        for enabled in (False, True):
+            monkeypatch.setattr(fa4_launch, "ENABLED", enabled)
+            out, lse = cute.cute_fwd(q, k, v, mask, positions, 0.088, q_offset=q_offset)
+            grads = cute.cute_bwd(q, k, v, out, lse, dout, mask, positions, 0.088, q_offset=q_offset)
+            results[enabled] = (out, lse, *grads)
+        torch.testing.assert_close(results[True][0], results[False][0], rtol=0, atol=0, msg=f"out, call {call}")
+        torch.testing.assert_close(results[True][1], results[False][1], rtol=0, atol=0, msg=f"lse, call {call}")
+        for name, got, want in zip(("dq", "dk", "dv"), results[True][2:], results[False][2:]):
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item(),
+                                       msg=f"{name}, call {call}")
+    assert fa4_launch.counters["replayed"] >= 4 and not fa4_launch.counters["refused"], dict(fa4_launch.counters)
