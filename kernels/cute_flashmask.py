@@ -150,7 +150,6 @@ def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_
     ``-inf`` and a zero output for rows that see no key)."""
     out = q.new_empty(*q.shape[:3], v.shape[-1])
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    keep: list = []  # what each FA4 call is handed from the mask (the launch records keep it)
     dense = _dense_path(mask, q, k, q_offset)
     if dense is not None:
         path, cu, longest = dense
@@ -158,34 +157,35 @@ def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_
         if path == "fa4_causal":
             args = (_bshd(q), _bshd(k), _bshd(v), out.transpose(1, 2), lse)
 
-            def call():
+            def call(_):
                 _flash_attn_fwd(*args[:3], softmax_scale=scale, causal=True, return_lse=True, out=args[3], lse=args[4])
         else:
             args = (_varlen(q), _varlen(k), _varlen(v), _varlen(out), lse.squeeze(0))
-            keep.append(cu)
 
-            def call():
+            def call(_):
                 _flash_attn_fwd(*args[:3], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
                                 softmax_scale=scale, causal=True, return_lse=True, out=args[3], lse=args[4])
-        fa4_launch.launch(_launches(mask), ("fwd", path, scale, longest), args, keep, call)
+        fa4_launch.launch(_launches(mask), ("fwd", path, scale, longest), args, lambda: (cu,), call)
         return out, lse
     paths["block_sparse"] += 1
     hq, d = q.shape[1], q.shape[-1]
     # Outputs allocated in our layout and handed to FA4 as [B, N, H, D] views: no copies either way.
     args = (_bshd(q), _bshd(k), _bshd(v), out.transpose(1, 2), lse)
 
-    def call():
+    def prepare():  # the mask's block lists and mask_mod arguments (cached on it for consecutive rows)
         fwd_sparsity, _, fwd_order, _ = _sparsity(mask, positions, hq, d, q_offset)
-        mask_mod, aux = _mask_args(mask, positions, hq, q_offset, fwd_order)
-        keep.extend((fwd_sparsity, aux))
+        return (fwd_sparsity, *_mask_args(mask, positions, hq, q_offset, fwd_order))
+
+    def call(made):
+        sparsity, mask_mod, aux = made
         _flash_attn_fwd(*args[:3], softmax_scale=scale, mask_mod=mask_mod, aux_tensors=aux,
-                        block_sparse_tensors=fwd_sparsity, return_lse=True, out=args[3], lse=args[4])
+                        block_sparse_tensors=sparsity, return_lse=True, out=args[3], lse=args[4])
 
     if q_offset is None:  # arbitrary rows: block lists made per call (no cheap key), so FA4's own path
-        call()
+        call(prepare())
     else:
         fa4_launch.launch(_launches(mask), ("fwd", "block_sparse", scale, q_offset, positions.numel(), OPTIONS),
-                          args, keep, call)
+                          args, prepare, call)
     return out, lse
 
 
@@ -198,7 +198,6 @@ def cute_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, 
     with atomics here. ``flashmask_attention`` refuses ``impl="cute", deterministic=True`` at its
     boundary; ``deterministic`` is accepted for the shared launcher interface."""
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    keep: list = []
     dense = _dense_path(mask, q, k, q_offset)
     if dense is not None:
         path, cu, longest = dense
@@ -206,34 +205,35 @@ def cute_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, 
             args = (_bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse.contiguous(),
                     None if dlse is None else dlse.contiguous(), dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2))
 
-            def call():
+            def call(_):
                 _flash_attn_bwd(*args[:6], scale, causal=True, dlse=args[6], dq=args[7], dk=args[8], dv=args[9])
         else:
             args = (_varlen(q), _varlen(k), _varlen(v), _varlen(out), _varlen(dout), lse.squeeze(0).contiguous(),
                     None if dlse is None else dlse.squeeze(0).contiguous(), _varlen(dq), _varlen(dk), _varlen(dv))
-            keep.append(cu)
 
-            def call():
+            def call(_):
                 _flash_attn_bwd(*args[:6], scale, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
                                 max_seqlen_k=longest, dlse=args[6], dq=args[7], dk=args[8], dv=args[9])
-        fa4_launch.launch(_launches(mask), ("bwd", path, scale, longest), args, keep, call)
+        fa4_launch.launch(_launches(mask), ("bwd", path, scale, longest), args, lambda: (cu,), call)
         return dq, dk, dv
     hq, d = q.shape[1], q.shape[-1]
     args = (_bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse.contiguous(),
             None if dlse is None else dlse.contiguous(), dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2))
 
-    def call():
+    def prepare():
         _, bwd_sparsity, _, bwd_order = _sparsity(mask, positions, hq, d, q_offset)
-        mask_mod, aux = _mask_args(mask, positions, hq, q_offset, bwd_order)
-        keep.extend((bwd_sparsity, aux))
+        return (bwd_sparsity, *_mask_args(mask, positions, hq, q_offset, bwd_order))
+
+    def call(made):
+        sparsity, mask_mod, aux = made
         _flash_attn_bwd(*args[:6], scale, deterministic=False, mask_mod=mask_mod, aux_tensors=aux,
-                        block_sparse_tensors=bwd_sparsity, dlse=args[6], dq=args[7], dk=args[8], dv=args[9])
+                        block_sparse_tensors=sparsity, dlse=args[6], dq=args[7], dk=args[8], dv=args[9])
 
     if q_offset is None:
-        call()
+        call(prepare())
     else:
         fa4_launch.launch(_launches(mask), ("bwd", "block_sparse", scale, q_offset, positions.numel(), OPTIONS),
-                          args, keep, call)
+                          args, prepare, call)
     return dq, dk, dv
 
 

@@ -40,8 +40,8 @@ __all__ = ["ENABLED", "INTERFACE", "counters", "launch", "signature"]
 
 # Off: every call takes FA4's own path (benchmarks switch it to measure it).
 ENABLED = True
-# "recorded", "replayed", "refused" (a signature left on FA4's path), "retried" (a recording that
-# saw a compile, made again on the next call).
+# "recorded", "replayed", "refused" (a signature left on FA4's path; "refused: <why>" beside it),
+# "retried" (a recording that saw a compile, made again on the next call).
 counters: collections.Counter = collections.Counter()
 _MAX_TRIES = 3  # recordings per signature (a first call that compiles does more than later calls)
 INTERFACE = "flash_attn.cute.interface"  # the module whose functions' compile caches are watched
@@ -81,22 +81,23 @@ def signature(tensors) -> tuple:
                  for t in tensors)
 
 
-def launch(store: dict, key: tuple, inputs: tuple, keep, call) -> None:
-    """Run ``call()`` (an FA4 call on ``inputs``, writing its results into some of them), or its
-    recorded program for ``inputs`` of the same :func:`signature`.
+def launch(store: dict, key: tuple, inputs: tuple, prepare, call) -> None:
+    """Run ``call(prepare())`` (an FA4 call on ``inputs``, writing its results into some of them), or
+    its recorded program for ``inputs`` of the same :func:`signature`.
 
     Args:
-        store: where records live, as long as the tensors in ``keep`` (the mask's cache).
+        store: where records live, as long as the tensors ``prepare`` returns (the mask's cache).
         key: the rest of the signature (scale, options, which FA4 path, ...).
         inputs: every tensor of this call that may differ between calls with this ``key``, exactly as
             passed to FA4 (outputs included).
-        keep: a list of objects holding the tensors FA4 may be handed that stay the same for ``key``
-            (the mask's block lists, bounds, ``cu_seqlens``), searched through tuples, lists and
-            attributes; read after ``call()`` returns, so ``call`` may append what it made.
-        call: the FA4 call itself.
+        prepare: makes (or looks up) what FA4 is handed that stays the same for ``key``: the mask's
+            block lists, bounds, ``cu_seqlens``. Runs outside the recording (building them may take
+            any tensor operation, even a sync) and is skipped by a replay. Returns a tuple of objects
+            holding those tensors (searched through tuples, lists and attributes).
+        call: the FA4 call itself, given what ``prepare`` returned.
     """
     if not ENABLED:
-        call()
+        call(prepare())
         return
     full_key = (key, signature(inputs))
     rec = store.get(full_key)
@@ -106,15 +107,17 @@ def launch(store: dict, key: tuple, inputs: tuple, keep, call) -> None:
         _replay(rec.program, inputs)
         counters["replayed"] += 1
         return
+    made = prepare()
     if rec.refused:
-        call()
+        call(made)
         return
     rec.tries += 1
     try:
-        program = _record(call, inputs, keep)
+        program = _record(lambda: call(made), inputs, made)
     except _Refused as why:
         rec.refused = True
         counters["refused"] += 1
+        counters[f"refused: {why}"] += 1
         _log_refusal(str(why))
         return
     if program is None:  # the call compiled: record the next one, which does what later calls do

@@ -314,7 +314,7 @@ def graphed_cost(args, mask, plan, rank, q, k, v, dout, impl, device, host_mask,
     layer()  # eager (the step's first layer)
     layer()  # captured, replayed
     device_total = profile_ms(layer, args.layers)["total"]
-    host, syncs, spread_ms = host_ms(layer, args.layers, sleep_ms=max(50.0, 4 * device_total))
+    host, syncs, spread_ms = host_ms(layer, max(args.layers, 6), sleep_ms=max(50.0, 4 * device_total))
     result = {"host_ms": host, "host_syncs": syncs, "host_ms_spread": spread_ms, "device_total_ms": device_total,
               "extra_device_ms": device_total - eager_device_ms,
               "counters": dict(layer.state["prepared"].graphs.counters)}
@@ -525,7 +525,7 @@ def main() -> None:
                                  "device_ms": profile_ms(layer, args.layers)}
                         if r < args.host_ranks:
                             timer.record = False  # training records no events: time the launches alone (since 2026-12-04)
-                            entry["host_ms"], entry["host_syncs"], entry["host_ms_spread"] = host_ms(layer, args.layers,
+                            entry["host_ms"], entry["host_syncs"], entry["host_ms_spread"] = host_ms(layer, max(args.layers, 6),
                                                                             sleep_ms=max(50.0, 4 * entry["device_ms"]["total"]))
                             timer.record = True
                             if args.cprofile:

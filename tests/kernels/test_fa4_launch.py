@@ -52,10 +52,16 @@ def _make_interface(monkeypatch, *, python_op=False, stray=None):
     return module
 
 
-def _run(module, store, x, bias, keep=True):
+def _run(module, store, x, bias, keep=True, prepared=None):
     out = torch.empty(x.shape[1], x.shape[0])
     view = out.transpose(0, 1)  # FA4 is handed our output as a transposed view, as cute_flashmask does
-    fa4_launch.launch(store, ("fwd", 0.5), (x, view), [bias] if keep else [], lambda: module.fwd(x, view, bias))
+
+    def prepare():  # as cute_flashmask makes the mask's block lists: any tensor work, outside the recording
+        if prepared is not None:
+            prepared.append(torch.full((4,), 3.0).amin())
+        return (bias,) if keep else ()
+
+    fa4_launch.launch(store, ("fwd", 0.5), (x, view), prepare, lambda made: module.fwd(x, view, bias))
     return out
 
 
@@ -75,6 +81,18 @@ def test_a_recorded_launch_replays_on_new_values_as_fa4_would(monkeypatch):
     assert [value for *_, value in allocs] == [None, 0]  # empty stays empty, zeros are zeroed again
     calls = [step for step in record.program if step[0] == "call"]
     assert len(calls) == 1 and calls[0][1] is _kernel
+
+
+def test_what_the_mask_prepares_is_made_outside_the_recording_and_skipped_by_a_replay(monkeypatch):
+    """The first call of a new mask builds its block lists (any tensor work) before FA4 runs: that must
+    not count as FA4's work (a signature left on FA4's path), and a replay does not prepare again."""
+    module = _make_interface(monkeypatch)
+    store, bias, prepared = {}, torch.randn(3, 4), []
+    for _ in range(4):
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(_run(module, store, x, bias, prepared=prepared), _want(x, bias), rtol=0, atol=0)
+    assert fa4_launch.counters == {"retried": 1, "recorded": 1, "replayed": 2}
+    assert len(prepared) == 2  # the compiling call and the recorded one
 
 
 def test_the_replay_zero_fills_what_fa4_zeroed(monkeypatch):
@@ -113,6 +131,9 @@ def test_what_cannot_be_replayed_stays_on_fa4s_path_and_right(monkeypatch, probl
         got = _run(module, store, x, bias, keep=problem != "keep_missing")
         torch.testing.assert_close(got, _want(x, stray if problem == "stray_tensor" else bias), rtol=0, atol=0)
     assert fa4_launch.counters["refused"] == 1 and "replayed" not in fa4_launch.counters
+    why = {"python_op": "refused: aten.mul_.Tensor inside FA4's call", "stray_tensor": "refused: a tensor of unknown origin",
+           "keep_missing": "refused: a tensor of unknown origin"}[problem]
+    assert fa4_launch.counters[why] == 1, dict(fa4_launch.counters)
     (record,) = store.values()
     assert record.refused and record.program is None
 
@@ -169,7 +190,7 @@ def test_replayed_fa4_launches_equal_fa4s_own_path_on_the_gpu(monkeypatch, famil
         k, v = (torch.randn(1, 2, n, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
         dout = torch.randn_like(q)
         results = {}
-        for enabled in (False, True):
+        for enabled in (True, False):  # recorded first: the new mask's block lists are built in that call
             monkeypatch.setattr(fa4_launch, "ENABLED", enabled)
             out, lse = cute.cute_fwd(q, k, v, mask, positions, 0.088, q_offset=q_offset)
             grads = cute.cute_bwd(q, k, v, out, lse, dout, mask, positions, 0.088, q_offset=q_offset)
@@ -180,3 +201,4 @@ def test_replayed_fa4_launches_equal_fa4s_own_path_on_the_gpu(monkeypatch, famil
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item(),
                                        msg=f"{name}, call {call}")
     assert fa4_launch.counters["replayed"] >= 4 and not fa4_launch.counters["refused"], dict(fa4_launch.counters)
+    assert fa4_launch.counters["recorded"] == 2  # forward and backward, once each
