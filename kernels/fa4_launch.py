@@ -8,7 +8,9 @@ backward, in every layer: that Python was the largest part of the ring's host ti
 (``docs/benchmarks/README.md``). For one signature (the shapes, strides, dtypes, devices and 16-byte
 alignment of the tensors that change per call; everything else fixed, from one mask) FA4 does the
 same work every time: the same compiled functions with the same arguments, temporaries of the same
-sizes. So the first call runs FA4 as usual while :func:`record` watches it:
+sizes. So the first call of a signature runs FA4 as usual, and the second (a signature seen once,
+such as a decoding step's with its growing cache, never pays for a recording) runs it while
+:func:`_record` watches:
 
 * every compiled call (through the ``compile_cache`` of the interface module's functions) with its
   arguments;
@@ -59,6 +61,7 @@ class _Refused(Exception):
 
 @dataclass
 class _Record:
+    calls: int = 0
     tries: int = 0
     program: list | None = None  # ("alloc", spec) / ("fill", view, value) / ("call", fn, args, kwargs)
     refused: bool = False
@@ -107,8 +110,9 @@ def launch(store: dict, key: tuple, inputs: tuple, prepare, call) -> None:
         _replay(rec.program, inputs)
         counters["replayed"] += 1
         return
+    rec.calls += 1
     made = prepare()
-    if rec.refused:
+    if rec.refused or rec.calls == 1:  # a signature seen once (a decoding step's) costs nothing extra
         call(made)
         return
     rec.tries += 1

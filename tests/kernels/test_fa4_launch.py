@@ -72,10 +72,10 @@ def _want(x, bias):
 def test_a_recorded_launch_replays_on_new_values_as_fa4_would(monkeypatch):
     module = _make_interface(monkeypatch)
     store, bias = {}, torch.randn(3, 4)
-    for step in range(4):  # compiles (retried), records, replays, replays
+    for step in range(4):  # FA4's path (compiles), recorded, replayed, replayed
         x = torch.randn(3, 4, requires_grad=True)
         torch.testing.assert_close(_run(module, store, x, bias), _want(x.detach(), bias), rtol=0, atol=0)
-    assert fa4_launch.counters == {"retried": 1, "recorded": 1, "replayed": 2}
+    assert fa4_launch.counters == {"recorded": 1, "replayed": 2}
     (record,) = store.values()
     allocs = [step for step in record.program if step[0] == "alloc"]
     assert [value for *_, value in allocs] == [None, 0]  # empty stays empty, zeros are zeroed again
@@ -91,8 +91,8 @@ def test_what_the_mask_prepares_is_made_outside_the_recording_and_skipped_by_a_r
     for _ in range(4):
         x = torch.randn(3, 4)
         torch.testing.assert_close(_run(module, store, x, bias, prepared=prepared), _want(x, bias), rtol=0, atol=0)
-    assert fa4_launch.counters == {"retried": 1, "recorded": 1, "replayed": 2}
-    assert len(prepared) == 2  # the compiling call and the recorded one
+    assert fa4_launch.counters == {"recorded": 1, "replayed": 2}
+    assert len(prepared) == 2  # the first call and the recorded one
 
 
 def test_the_replay_zero_fills_what_fa4_zeroed(monkeypatch):
@@ -136,6 +136,20 @@ def test_what_cannot_be_replayed_stays_on_fa4s_path_and_right(monkeypatch, probl
     assert fa4_launch.counters[why] == 1, dict(fa4_launch.counters)
     (record,) = store.values()
     assert record.refused and record.program is None
+
+
+def test_a_signature_seen_once_is_not_recorded_and_a_compile_is_recorded_again(monkeypatch):
+    """A one-off call (a decoding step) runs FA4's path alone; a second call that compiles (here: the
+    first call compiled another kernel) is not a faithful program and is recorded on the next one."""
+    module = _make_interface(monkeypatch)
+    store, bias = {}, torch.randn(3, 4)
+    _run(module, store, torch.randn(3, 4), bias)
+    assert not fa4_launch.counters and not next(iter(store.values())).program
+    module.fwd.compile_cache.clear()  # as if the second call met a kernel not compiled yet
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(_run(module, store, x, bias), _want(x, bias), rtol=0, atol=0)
+    assert fa4_launch.counters == {"retried": 1, "recorded": 1, "replayed": 1}
 
 
 def test_switched_off_every_call_takes_fa4s_path(monkeypatch):
