@@ -31,6 +31,7 @@ through unrecorded.
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -40,8 +41,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["ENABLED", "INTERFACE", "counters", "launch", "signature"]
 
-# Off: every call takes FA4's own path (benchmarks switch it to measure it).
-ENABLED = True
+# Off: every call takes FA4's own path (benchmarks switch it to measure it; users with
+# FM_PARALLEL_FA4_LAUNCH=0 in the environment).
+ENABLED = os.environ.get("FM_PARALLEL_FA4_LAUNCH", "1") != "0"
 # "recorded", "replayed", "refused" (a signature left on FA4's path; "refused: <why>" beside it),
 # "retried" (a recording that saw a compile, made again on the next call).
 counters: collections.Counter = collections.Counter()

@@ -216,3 +216,15 @@ def test_replayed_fa4_launches_equal_fa4s_own_path_on_the_gpu(monkeypatch, famil
                                        msg=f"{name}, call {call}")
     assert fa4_launch.counters["replayed"] >= 4 and not fa4_launch.counters["refused"], dict(fa4_launch.counters)
     assert fa4_launch.counters["recorded"] == 2  # forward and backward, once each
+
+
+def test_the_environment_switches_the_replay_off():
+    import subprocess
+
+    code = "from fm_parallel.kernels import fa4_launch; print(fa4_launch.ENABLED)"
+    for value, want in (("0", "False"), ("1", "True"), (None, "True")):
+        env = {k: v for k, v in __import__("os").environ.items() if k != "FM_PARALLEL_FA4_LAUNCH"}
+        if value is not None:
+            env["FM_PARALLEL_FA4_LAUNCH"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == want, out.stderr
