@@ -24,8 +24,8 @@ tensor of unknown origin; an argument object holding tensors it cannot rebuild) 
 signature on FA4's own path for good: slower, never wrong. ``counters`` says which happened.
 
 The records live in a dict the caller ties to the mask whose tensors they keep (its ``cached``
-store), so they go with it. Recording is per thread: FA4 calls from other threads meanwhile pass
-through unrecorded.
+store), so they go with it. One thread records at a time: FA4 calls from other threads meanwhile pass
+through unrecorded (and a call meeting another thread's recording takes FA4's path).
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ ENABLED = os.environ.get("FM_PARALLEL_FA4_LAUNCH", "1") != "0"
 counters: collections.Counter = collections.Counter()
 _MAX_TRIES = 3  # recordings per signature (a first call that compiles does more than later calls)
 INTERFACE = "flash_attn.cute.interface"  # the module whose functions' compile caches are watched
+# One recording at a time in the process: a recording swaps the interface's compile caches, and two
+# threads swapping them would restore each other's proxies.
+_recording = threading.Lock()
 
 _aten = torch.ops.aten
 _ALLOC = {_aten.empty.memory_format, _aten.empty_strided.default, _aten.empty_like.default,
@@ -117,6 +120,9 @@ def launch(store: dict, key: tuple, inputs: tuple, prepare, call) -> None:
     if rec.refused or rec.calls == 1:  # a signature seen once (a decoding step's) costs nothing extra
         call(made)
         return
+    if not _recording.acquire(blocking=False):  # another thread is recording: its swapped caches are its own
+        call(made)
+        return
     rec.tries += 1
     try:
         program = _record(lambda: call(made), inputs, made)
@@ -126,6 +132,8 @@ def launch(store: dict, key: tuple, inputs: tuple, prepare, call) -> None:
         counters[f"refused: {why}"] += 1
         _log_refusal(str(why))
         return
+    finally:
+        _recording.release()
     if program is None:  # the call compiled: record the next one, which does what later calls do
         counters["retried"] += 1
         if rec.tries >= _MAX_TRIES:

@@ -11,9 +11,8 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
-
 from fm_parallel.kernels import fa4_launch
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 class Aux(NamedTuple):
@@ -187,8 +186,9 @@ def test_replayed_fa4_launches_equal_fa4s_own_path_on_the_gpu(monkeypatch, famil
     to FA4's own path, gradients within the atomics' reordering; later calls replayed, none refused.
     Covers the block-sparse path (whole rows, and a ring-like row window with a q offset), FA4's
     causal kernel and its varlen kernel (packed causal documents, known from the host mask)."""
-    from fm_parallel import masks
     from fm_parallel.kernels import cute_flashmask as cute
+
+    from fm_parallel import masks
 
     monkeypatch.setattr(fa4_launch, "counters", fa4_launch.counters.__class__())
     n, device = 2048, torch.device("cuda")
@@ -228,3 +228,45 @@ def test_the_environment_switches_the_replay_off():
             env["FM_PARALLEL_FA4_LAUNCH"] = value
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert out.stdout.strip() == want, out.stderr
+
+
+def test_threads_record_one_at_a_time_and_leave_fa4s_caches_as_they_were(monkeypatch):
+    """Two threads calling FA4 through the replay at once: every result right, at most one recording at
+    a time (the other thread's call takes FA4's path meanwhile), and the interface's compile caches are
+    the original objects afterwards (two recordings swapping them would leave a proxy behind)."""
+    import threading
+
+    module = _make_interface(monkeypatch)
+    cache = module.fwd.compile_cache
+    bias = torch.randn(3, 4)
+    errors = []
+
+    def worker(seed):
+        store, gen = {}, torch.Generator().manual_seed(seed)
+        try:
+            for _ in range(30):
+                x = torch.randn(3, 4, generator=gen)
+                torch.testing.assert_close(_run(module, store, x, bias), _want(x, bias), rtol=0, atol=0)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert module.fwd.compile_cache is cache and not fa4_launch._recording.locked()
+    assert fa4_launch.counters["recorded"] >= 1 and fa4_launch.counters["replayed"] >= 1
+
+
+def test_a_call_meeting_another_recording_takes_fa4s_path(monkeypatch):
+    module = _make_interface(monkeypatch)
+    store, bias = {}, torch.randn(3, 4)
+    _run(module, store, torch.randn(3, 4), bias)  # first call: FA4's path
+    with fa4_launch._recording:  # another thread is recording
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(_run(module, store, x, bias), _want(x, bias), rtol=0, atol=0)
+    assert not fa4_launch.counters
+    _run(module, store, torch.randn(3, 4), bias)
+    assert fa4_launch.counters == {"recorded": 1}
