@@ -145,6 +145,14 @@ def _launches(mask: FlashMask) -> dict:
     return mask.cached("fa4_launches", dict)
 
 
+def _block_sparse_key(phase: str, scale: float, q_offset: int | None, positions: torch.Tensor) -> tuple | None:
+    """What a block-sparse launch's recording depends on besides its tensors; None for arbitrary rows
+    (zigzag shards), whose block lists are made per call from the rows (no cheap key): FA4's own path."""
+    if q_offset is None:
+        return None
+    return (phase, "block_sparse", scale, q_offset, positions.numel(), OPTIONS)
+
+
 def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_offset: int | None = None):
     """Forward: ``out [B, Hq, Nq, Dv]`` (q's dtype) and ``lse [B, Hq, Nq]`` float32 (natural log;
     ``-inf`` and a zero output for rows that see no key)."""
@@ -181,11 +189,7 @@ def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_
         _flash_attn_fwd(*args[:3], softmax_scale=scale, mask_mod=mask_mod, aux_tensors=aux,
                         block_sparse_tensors=sparsity, return_lse=True, out=args[3], lse=args[4])
 
-    if q_offset is None:  # arbitrary rows: block lists made per call (no cheap key), so FA4's own path
-        call(prepare())
-    else:
-        fa4_launch.launch(_launches(mask), ("fwd", "block_sparse", scale, q_offset, positions.numel(), OPTIONS),
-                          args, prepare, call)
+    fa4_launch.launch(_launches(mask), _block_sparse_key("fwd", scale, q_offset, positions), args, prepare, call)
     return out, lse
 
 
@@ -229,11 +233,7 @@ def cute_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, 
         _flash_attn_bwd(*args[:6], scale, deterministic=False, mask_mod=mask_mod, aux_tensors=aux,
                         block_sparse_tensors=sparsity, dlse=args[6], dq=args[7], dk=args[8], dv=args[9])
 
-    if q_offset is None:
-        call(prepare())
-    else:
-        fa4_launch.launch(_launches(mask), ("bwd", "block_sparse", scale, q_offset, positions.numel(), OPTIONS),
-                          args, prepare, call)
+    fa4_launch.launch(_launches(mask), _block_sparse_key("bwd", scale, q_offset, positions), args, prepare, call)
     return dq, dk, dv
 
 

@@ -95,7 +95,8 @@ def launch(store: dict, key: tuple, inputs: tuple, prepare, call) -> None:
 
     Args:
         store: where records live, as long as the tensors ``prepare`` returns (the mask's cache).
-        key: the rest of the signature (scale, options, which FA4 path, ...).
+        key: the rest of the signature (scale, options, which FA4 path, ...); None where the call has
+            no stable one (it then runs FA4's own path, recording nothing).
         inputs: every tensor of this call that may differ between calls with this ``key``, exactly as
             passed to FA4 (outputs included).
         prepare: makes (or looks up) what FA4 is handed that stays the same for ``key``: the mask's
@@ -104,7 +105,7 @@ def launch(store: dict, key: tuple, inputs: tuple, prepare, call) -> None:
             holding those tensors (searched through tuples, lists and attributes).
         call: the FA4 call itself, given what ``prepare`` returned.
     """
-    if not ENABLED:
+    if not ENABLED or key is None:
         call(prepare())
         return
     full_key = (key, signature(inputs))
@@ -307,9 +308,8 @@ def _program(watch: _Watch, inputs, keep) -> list:
             if all(p[0] == "const" for p in parts):
                 return ("const", x)
             return ("seq", type(x), parts)
-        if hasattr(x, "__dict__") and _storages([vars(x)]):
-            if all(tensor_ref(t)[0] == "keep" for t in _storages([vars(x)]).values()):
-                return ("const", x)
+        held = _storages([vars(x)]) if hasattr(x, "__dict__") else {}
+        if any(tensor_ref(t)[0] != "keep" for t in held.values()):
             raise _Refused(f"a {type(x).__name__} holding the call's tensors")
         return ("const", x)
 

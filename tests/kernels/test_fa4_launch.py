@@ -270,3 +270,16 @@ def test_a_call_meeting_another_recording_takes_fa4s_path(monkeypatch):
     assert not fa4_launch.counters
     _run(module, store, torch.randn(3, 4), bias)
     assert fa4_launch.counters == {"recorded": 1}
+
+
+def test_a_call_without_a_stable_key_takes_fa4s_path_and_records_nothing(monkeypatch):
+    """Zigzag shards' arbitrary rows: block lists made per call, no key (cute_flashmask passes None)."""
+    module = _make_interface(monkeypatch)
+    store, bias = {}, torch.randn(3, 4)
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        out = torch.empty(4, 3)
+        view = out.transpose(0, 1)
+        fa4_launch.launch(store, None, (x, view), lambda: (bias,), lambda made: module.fwd(x, view, bias))
+        torch.testing.assert_close(out, _want(x, bias), rtol=0, atol=0)
+    assert not store and not fa4_launch.counters
