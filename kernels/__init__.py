@@ -11,7 +11,11 @@ notebook started there, ``python -m`` from the root), Python finds this folder f
 name ``kernels`` and would shadow PyPI's popular ``kernels`` package, which transformers imports.
 So when this file runs as a top-level ``kernels``, it hands the import on: it loads the first
 ``kernels`` found on ``sys.path`` outside the folder that holds this one (PyPI's, when installed) in
-its place, or fails as a missing module would. Our sources are never importable as ``kernels``.
+its place. Without one, it leaves an empty shell that looks like what it is, nothing installed:
+no ``__file__``, ``__path__`` or ``__version__`` (so ``kernels.plan`` is not importable, and
+transformers' probe, which finds this folder with ``find_spec`` and then imports it, reads it as a
+stray namespace folder and reports ``kernels`` unavailable instead of crashing), and every name taken
+from it raises ``ModuleNotFoundError`` (dunder probes get ``AttributeError``). Our sources are never importable as ``kernels``.
 """
 
 if __name__ == "kernels":  # imported as a top-level package, not as fm_parallel.kernels
@@ -27,17 +31,26 @@ if __name__ == "kernels":  # imported as a top-level package, not as fm_parallel
     ]
     _spec = _machinery.PathFinder.find_spec("kernels", _elsewhere)
     if _spec is None or _spec.loader is None:
-        raise ModuleNotFoundError(
-            "No module named 'kernels' (the project folder kernels/ is fm_parallel.kernels, "
-            "never a top-level package)",
-            name="kernels",
-        )
-    _module = _util.module_from_spec(_spec)
-    # The import system returns sys.modules["kernels"] once this file has run: the real
-    # package takes this module's place there before its own code runs (as a normal import would).
-    _sys.modules["kernels"] = _module
-    try:
-        _spec.loader.exec_module(_module)
-    except BaseException:
-        _sys.modules.pop("kernels", None)
-        raise
+        def __getattr__(name):
+            if name.startswith("__"):  # getattr(kernels, "__version__", default) is a probe: answer it
+                raise AttributeError(f"module 'kernels' has no attribute {name!r}", name=name)
+            raise ModuleNotFoundError(
+                f"No module named 'kernels' (asked for kernels.{name}; the project folder kernels/ is "
+                "fm_parallel.kernels, never a top-level package; PyPI's `kernels` is not installed)",
+                name="kernels",
+            )
+
+        for _name in ("__file__", "__path__", "__cached__"):
+            globals().pop(_name, None)
+        for _name in ("_machinery", "_util", "_os", "_sys", "_root", "_elsewhere", "_spec", "_name"):
+            globals().pop(_name, None)
+    else:
+        _module = _util.module_from_spec(_spec)
+        # The import system returns sys.modules["kernels"] once this file has run: the real
+        # package takes this module's place there before its own code runs (as a normal import would).
+        _sys.modules["kernels"] = _module
+        try:
+            _spec.loader.exec_module(_module)
+        except BaseException:
+            _sys.modules.pop("kernels", None)
+            raise

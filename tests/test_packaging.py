@@ -36,14 +36,59 @@ def test_import_kernels_from_the_project_root_is_never_ours():
         assert out.returncode != 0 and "ModuleNotFoundError: No module named 'kernels'" in out.stderr, out.stderr
 
 
-def test_without_pypis_package_import_kernels_is_a_missing_module():
-    # The root alone on sys.path (no site-packages): our folder must not answer to "kernels".
-    code = ("import sys; sys.path[:] = [''] + [p for p in sys.path if p.endswith('.zip') or 'site-packages' not in p and "
-            "'dist-packages' not in p]\n"
-            "try:\n    import kernels\nexcept ModuleNotFoundError as e:\n    print('missing', e.name)\n"
-            "else:\n    print('imported', kernels.__file__)")
-    out = _python(code, ROOT, "-S")
-    assert out.stdout.strip() == "missing kernels", (out.stdout, out.stderr)
+# As if PyPI's kernels were not installed (older transformers, the H200 image): neither its files nor
+# its metadata are found.
+_HIDE_PYPI_KERNELS = """
+import importlib.machinery as _m, importlib.metadata as _md, sys
+_find = _m.PathFinder.find_spec.__func__
+def _find_spec(cls, name, path=None, target=None):
+    if name == "kernels":
+        path = [p for p in (path if path is not None else sys.path) if "-packages" not in p]
+    return _find(cls, name, path, target)
+_m.PathFinder.find_spec = classmethod(_find_spec)
+_version = _md.version
+def _no_kernels(name):
+    if name.lower() == "kernels":
+        raise _md.PackageNotFoundError(name)
+    return _version(name)
+_md.version = _no_kernels
+"""
+
+
+def test_without_pypis_package_our_folder_is_still_not_importable_as_kernels():
+    code = _HIDE_PYPI_KERNELS + """
+import kernels
+print("file", getattr(kernels, "__file__", None), hasattr(kernels, "__path__"), getattr(kernels, "__version__", None))
+for name in ("kernels.plan", "kernels.triton_kernels"):
+    try:
+        __import__(name)
+    except ModuleNotFoundError:
+        print("missing", name)
+try:
+    from kernels import get_kernel
+except ModuleNotFoundError as e:
+    print("missing", e.name)
+"""
+    out = _python(code)
+    assert out.stdout.split("\n")[:4] == ["file None False None", "missing kernels.plan",
+                                            "missing kernels.triton_kernels", "missing kernels"], (out.stdout, out.stderr)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs the [test] extra's transformers")
+def test_without_pypis_package_transformers_imports_from_the_project_root():
+    # transformers probes `kernels` with find_spec (which finds our folder), then imports it when no
+    # metadata names a version: the probe must read "not installed", not crash (seen on the H200 image).
+    code = _HIDE_PYPI_KERNELS + """
+from transformers.utils.import_utils import is_kernels_available
+from transformers import AutoModelForCausalLM, LlamaConfig
+import peft
+cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2)
+print(is_kernels_available(), type(AutoModelForCausalLM.from_config(cfg)).__name__)
+"""
+    out = _python(code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[-1] == "False LlamaForCausalLM", out.stdout
 
 
 def test_fm_parallel_kernels_is_the_projects_folder():
