@@ -121,12 +121,35 @@ class OutputConfig:
 
 
 @dataclass
+class EvalConfig:
+    rows: int = _key(0, "held-out rows evaluated every eval.every steps (0: no evaluation); without eval.path the first "
+                        "eval.rows rows of the training stream, never trained on (a row equal to one of them is dropped "
+                        "from training by its hash)", low=0)
+    path: str = _key("", "a held-out JSONL file in data.path's format (its first eval.rows rows); empty: held out of "
+                         "the training stream")
+    every: int = _key(10, "steps between evaluations (also after the last step)", low=1)
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = _key(False, "TensorBoard event files in output.dir/tensorboard (pip install 'fm_parallel[tensorboard]')")
+    wandb: bool = _key(False, "a Weights & Biases run, its files in output.dir/wandb (pip install 'fm_parallel[wandb]')")
+    wandb_project: str = _key("fm_parallel", "the W&B project")
+    wandb_mode: str = _key("", "W&B mode: online | offline | disabled; empty: wandb's own (WANDB_MODE, else online)",
+                           choices=("", "online", "offline", "disabled"), choices_text="online, offline, disabled or empty")
+    ema: float = _key(0.9, "smoothing of loss_ema, the exponential moving average of the loss (debiased): the weight "
+                           "of the past", low=0.0, high=0.999)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -228,6 +251,26 @@ def _check_relations(cfg: Config) -> None:
         raise ConfigError("output.dir: expected a directory path, got an empty string")
     if cfg.output.resume and cfg.output.overwrite:
         raise ConfigError("output.overwrite: expected false when resuming (it would delete the run to resume), got true")
+    if cfg.eval.path and not cfg.eval.rows:
+        raise ConfigError(f"eval.rows: expected the number of rows to evaluate (> 0) with eval.path {cfg.eval.path!r}, got 0")
+    _check_extras(cfg)
+
+
+# A logger asked for must be installed: checked as the config loads, on every rank, before any process
+# group exists (a missing package must not leave the other ranks waiting in a collective).
+_EXTRAS = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+
+
+def _check_extras(cfg: Config) -> None:
+    import importlib
+
+    for key, (module, extra) in _EXTRAS.items():
+        if getattr(cfg.logging, key):
+            try:
+                importlib.import_module(module)
+            except ImportError as e:
+                raise ConfigError(f"logging.{key}: expected the {extra!r} package, not installed ({e}); install it with "
+                                  f"pip install 'fm_parallel[{extra}]', or set logging.{key} = false") from None
 
 
 def describe() -> str:
