@@ -4,21 +4,28 @@ FlashMask built next to ``input_ids``.
 
     collator = FlashMaskCollator(seq_len=4096)                # or seq_len=None: one row, as long as the batch
     trainer = Trainer(model=model, args=TrainingArguments(..., remove_unused_columns=False),
-                      train_dataset=examples, data_collator=collator)
+                      train_dataset=documents, data_collator=collator)             # SFT / prefix-LM rows
+    trainer = FlashMaskDPOTrainer(model=peft_model, args=..., train_dataset=pairs)  # preference rows: DPO
+                                                              # (fm_parallel.integrations.dpo)
 
-Examples (one kind per batch):
+Examples (one kind per batch; token ids in ``[0, vocab_size)``):
 
 * ``{"input_ids": [...]}``: a causal document; ``{"input_ids": [...], "prefix_len": p}``: its first
-  ``p`` tokens attend bidirectionally (prefix-LM) and are not scored.
+  ``p`` tokens attend bidirectionally (prefix-LM) and are not scored; an optional ``"labels"`` (-100
+  or the input id at each position, unshifted) marks which tokens are scored (completion-only SFT).
 * ``{"prompt_ids": [...], "response_ids": [[...], [...], ...]}``: one prompt, k responses that each see
   the prompt and themselves, never each other (``{"prompt_ids", "chosen_ids", "rejected_ids"}`` is the
-  DPO form, k = 2). Responses get the ``position_ids`` they would have after the prompt alone.
+  DPO form, k = 2; k is the same for every example of a batch). Responses get the ``position_ids``
+  they would have after the prompt alone.
 
 The batch holds ``input_ids``, ``labels`` (-100 where nothing is scored; a model shifts them as usual),
 ``position_ids`` ``[B, N]`` and ``flashmask`` (a :class:`FlashMask` ``[B, 1, N]``), which the
 ``fm_parallel`` attention backend reads; preference batches also hold ``fm_segment`` (0 prompt,
 r + 1 response r, -1 padding) and ``fm_sample`` (sample index in the row, -1 padding) for
-:func:`response_logps`. A response's first token is not scored: the prompt's last position is shared
+:func:`response_logps`. ``fm_segment`` also marks the batch as preference rows: a model forward that
+receives it (a plain ``Trainer``, ``model(**batch)``) raises, because next-token loss on both
+responses is not a preference objective; pass the model ``input_ids``, ``position_ids`` and
+``flashmask`` only, or train with ``FlashMaskDPOTrainer``. A response's first token is not scored: the prompt's last position is shared
 by all responses, so it cannot predict each response's first token (score a separator first if that
 token matters).
 """
@@ -29,18 +36,24 @@ from collections.abc import Sequence
 
 import torch
 
-from fm_parallel import masks
+from fm_parallel import logprobs, masks
 from fm_parallel.masks.flashmask import FlashMask
 
 __all__ = ["FlashMaskCollator", "response_logps"]
 
 
-def _ids(value, where: str) -> list[int]:
-    """``value`` as a list of token ids; ``where`` names it in the error (``examples[3]['prompt_ids']``)."""
+def _ids(value, where: str, vocab_size: int | None = None) -> list[int]:
+    """``value`` as a list of token ids in ``[0, vocab_size)``; ``where`` names it in the error
+    (``examples[3]['prompt_ids']``). A negative id would become a label (or -100's neighbour) and an
+    embedding index; neither the model nor the loss would say so."""
     if isinstance(value, torch.Tensor):
         value = value.tolist()
     if not isinstance(value, Sequence) or isinstance(value, str) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise ValueError(f"{where}: expected a list of token ids, got {type(value).__name__}")
+    for i, t in enumerate(value):
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            bound = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise ValueError(f"{where}: expected token ids {bound}, got {t} at index {i}")
     return list(value)
 
 
@@ -50,42 +63,71 @@ class FlashMaskCollator:
     Args:
         seq_len: tokens per row (padded); None: one row holding the whole batch.
         pad_token_id: id written into padding.
+        vocab_size: when given, token ids must be below it (``model.config.vocab_size``): an id past
+            the embedding is refused here, by field, instead of failing inside the model (a device-side
+            assert on a GPU). Negative ids are always refused.
     """
 
-    def __init__(self, seq_len: int | None = None, pad_token_id: int = 0):
+    def __init__(self, seq_len: int | None = None, pad_token_id: int = 0, vocab_size: int | None = None):
         if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2):
             raise ValueError(f"seq_len: expected None or an int >= 2, got {seq_len!r}")
-        if not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool) or pad_token_id < 0:
-            raise ValueError(f"pad_token_id: expected an int >= 0, got {pad_token_id!r}")
-        self.seq_len, self.pad_token_id = seq_len, pad_token_id
+        if vocab_size is not None and (not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1):
+            raise ValueError(f"vocab_size: expected None or an int >= 1, got {vocab_size!r}")
+        if (not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool) or pad_token_id < 0
+                or (vocab_size is not None and pad_token_id >= vocab_size)):
+            bound = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
+            raise ValueError(f"pad_token_id: expected an int {bound}, got {pad_token_id!r}")
+        self.seq_len, self.pad_token_id, self.vocab_size = seq_len, pad_token_id, vocab_size
 
     # ------------------------------------------------------------- examples
-    @staticmethod
-    def _parse(example, index: int) -> tuple[str, list[list[int]], int]:
-        """(kind, segments, prefix or prompt length) of one example."""
+    def _parse(self, example, index: int) -> tuple[str, list[list[int]], int | list[bool]]:
+        """(kind, segments, prompt length | the document's scored tokens) of one example."""
         if not isinstance(example, dict):
             raise ValueError(f"examples[{index}]: expected a dict, got {type(example).__name__}")
+        where = f"examples[{index}]"
+        ids_of = lambda key, value: _ids(value, f"{where}[{key!r}]", self.vocab_size)  # noqa: E731
         if "prompt_ids" in example:
-            prompt = _ids(example["prompt_ids"], f"examples[{index}]['prompt_ids']")
+            # Fields of the other forms would be dropped without a word: refuse them.
+            clash = [k for k in ("input_ids", "labels", "prefix_len") if k in example]
+            if "response_ids" in example:
+                clash += [k for k in ("chosen_ids", "rejected_ids") if k in example]
+            if clash:
+                raise ValueError(f"{where}: expected the fields of one form (prompt_ids + response_ids, or prompt_ids + "
+                                 f"chosen_ids + rejected_ids; the collator makes the labels), got also {clash}")
+            prompt = ids_of("prompt_ids", example["prompt_ids"])
             if "response_ids" in example:
                 raw = example["response_ids"]
-                if not isinstance(raw, Sequence) or not raw:
-                    raise ValueError(f"examples[{index}]['response_ids']: expected a non-empty list of responses, got {raw!r}")
-                responses = [_ids(r, f"examples[{index}]['response_ids'][{i}]") for i, r in enumerate(raw)]
+                if not isinstance(raw, Sequence) or isinstance(raw, str) or not raw:
+                    raise ValueError(f"{where}['response_ids']: expected a non-empty list of responses, got {raw!r}")
+                responses = [_ids(r, f"{where}['response_ids'][{i}]", self.vocab_size) for i, r in enumerate(raw)]
             else:
-                responses = [_ids(example.get(k), f"examples[{index}][{k!r}]") for k in ("chosen_ids", "rejected_ids")]
+                responses = [ids_of(k, example.get(k)) for k in ("chosen_ids", "rejected_ids")]
             if any(len(r) == 0 for r in responses):
-                raise ValueError(f"examples[{index}]: expected non-empty responses, got lengths {[len(r) for r in responses]}")
+                raise ValueError(f"{where}: expected non-empty responses, got lengths {[len(r) for r in responses]}")
             return "preference", [prompt] + responses, len(prompt)
         if "input_ids" in example:
-            ids = _ids(example["input_ids"], f"examples[{index}]['input_ids']")
+            ids = ids_of("input_ids", example["input_ids"])
             if not ids:
-                raise ValueError(f"examples[{index}]['input_ids']: expected at least one token, got none")
+                raise ValueError(f"{where}['input_ids']: expected at least one token, got none")
             prefix = example.get("prefix_len", 0)
             if not isinstance(prefix, int) or isinstance(prefix, bool) or not 0 <= prefix <= len(ids):
-                raise ValueError(f"examples[{index}]['prefix_len']: expected an int in [0, {len(ids)}], got {prefix!r}")
-            return "document", [ids], prefix
-        raise ValueError(f"examples[{index}]: expected 'input_ids' or 'prompt_ids' (+ responses), got keys {sorted(example)}")
+                raise ValueError(f"{where}['prefix_len']: expected an int in [0, {len(ids)}], got {prefix!r}")
+            scored = [i >= max(prefix, 1) for i in range(len(ids))]  # prefix and the first token are no targets
+            if example.get("labels") is not None:
+                # The dataset's own labels (completion-only SFT): honoured, never replaced silently. HF
+                # convention: unshifted, -100 or the token itself.
+                labels = example["labels"]
+                labels = labels.tolist() if isinstance(labels, torch.Tensor) else labels
+                if not isinstance(labels, Sequence) or isinstance(labels, str) or len(labels) != len(ids):
+                    raise ValueError(f"{where}['labels']: expected {len(ids)} labels (one per input id), got "
+                                     f"{len(labels) if isinstance(labels, Sequence) else type(labels).__name__}")
+                for i, (t, y) in enumerate(zip(ids, labels)):
+                    if y != -100 and y != t:
+                        raise ValueError(f"{where}['labels']: expected -100 or the input id at each position (unshifted, "
+                                         f"as Hugging Face models take them), got {y!r} at index {i} (input id {t})")
+                scored = [s and y != -100 for s, y in zip(scored, labels)]
+            return "document", [ids], scored
+        raise ValueError(f"{where}: expected 'input_ids' or 'prompt_ids' (+ responses), got keys {sorted(example)}")
 
     def _rows(self, parsed) -> list[list[int]]:
         """Indices of the examples in each row."""
@@ -113,6 +155,12 @@ class FlashMaskCollator:
         if len(kinds) > 1:
             raise ValueError(f"examples: expected one kind per batch, got {sorted(kinds)} (documents and preference samples)")
         kind = kinds.pop()
+        if kind == "preference":
+            counts = [len(segs) - 1 for _, segs, _ in parsed]
+            odd = next((i for i, c in enumerate(counts) if c != counts[0]), None)
+            if odd is not None:  # a batch has one layout: [samples, responses] log-probs, one DPO pairing
+                raise ValueError(f"examples[{odd}]: expected {counts[0]} responses like examples[0] (one response count "
+                                 f"per batch), got {counts[odd]}")
         rows = self._rows(parsed)
         n = self.seq_len or sum(len(s) for _, segs, _ in parsed for s in segs)
         out = {name: [] for name in ("input_ids", "labels", "position_ids", "fm_segment", "fm_sample")}
@@ -125,11 +173,11 @@ class FlashMaskCollator:
                 if kind == "document":
                     doc = segs[0]
                     ids += doc
-                    labels += [-100] * max(p, 1) + doc[max(p, 1):]  # prefix and the first token are no targets
+                    labels += [t if scored else -100 for t, scored in zip(doc, p)]
                     pos += list(range(len(doc)))
                     seg += [0] * len(doc)
                     lengths.append(len(doc))
-                    extra.append(p)
+                    extra.append(examples[i].get("prefix_len", 0))
                 else:
                     prompt, responses = segs[0], segs[1:]
                     ids += prompt
@@ -161,20 +209,14 @@ class FlashMaskCollator:
         return batch
 
 
-def response_logps(logits: torch.Tensor, batch: dict, responses: int = 2) -> torch.Tensor:
-    """Summed log-probabilities of each preference sample's responses: ``[samples, responses]``, rows
-    in order (a row's samples, then the next row's). ``logits [B, N, V]`` from the model on ``batch``
-    (a :class:`FlashMaskCollator` preference batch). With ``responses=2`` column 0 is chosen and 1
-    rejected: ``margin = (pi[:, 0] - ref[:, 0]) - (pi[:, 1] - ref[:, 1])`` is the DPO margin."""
-    labels, seg, smp = batch["labels"], batch["fm_segment"], batch["fm_sample"]
-    targets = labels[:, 1:]
-    logp = torch.log_softmax(logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)), -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    scored = targets >= 0
-    per_row = int(smp.max()) + 1 if smp.numel() else 0
-    slot = (smp[:, 1:] + per_row * torch.arange(labels.shape[0], device=smp.device).view(-1, 1)) * responses + (seg[:, 1:] - 1)
-    total = per_row * labels.shape[0] * responses
-    slot = torch.where(scored, slot, torch.full_like(slot, total))
-    sums = torch.zeros(total + 1, dtype=logp.dtype, device=logp.device).index_add(0, slot.flatten(), torch.where(scored, logp, 0).flatten())
-    table = sums[:total].view(labels.shape[0], per_row, responses)
-    kept = [table[b, : int(smp[b].max()) + 1] for b in range(labels.shape[0]) if bool((smp[b] >= 0).any())]
-    return torch.cat(kept) if kept else table.new_zeros(0, responses)
+def response_logps(logits: torch.Tensor, batch: dict, responses: int | None = None) -> torch.Tensor:
+    """Summed log-probabilities of each preference sample's responses: ``[samples, k]``, rows in order
+    (a row's samples, then the next row's). ``logits [B, N, V]`` from the model on ``batch`` (a
+    :class:`FlashMaskCollator` preference batch). The layout is the batch's (``fm_segment``,
+    ``fm_sample``); ``responses``, when given, must agree with it (2 for DPO: column 0 chosen, 1
+    rejected, ``margin = (pi[:, 0] - ref[:, 0]) - (pi[:, 1] - ref[:, 1])``).
+    See :func:`fm_parallel.logprobs.response_logps`."""
+    if not isinstance(batch, dict) or any(k not in batch for k in ("labels", "fm_segment", "fm_sample")):
+        got = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+        raise ValueError(f"batch: expected a FlashMaskCollator preference batch (labels, fm_segment, fm_sample), got {got}")
+    return logprobs.response_logps(logits, batch["labels"], batch["fm_segment"], batch["fm_sample"], responses)

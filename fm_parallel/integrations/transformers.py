@@ -162,6 +162,38 @@ def _layer_mask(module, query, n_keys, attention_mask, position_ids, cu_q, cu_k,
     return _DERIVED.get(sources, (n_keys, causal, batch, device, sliding_window), make)
 
 
+def _caller_mask(flashmask, fms, fme, n_keys: int, device) -> FlashMask | None:
+    """The mask the caller passed as ``flashmask=`` or raw ``fms=``/``fme=`` (None if neither), with
+    ``flashmask_attention``'s checks: raw bounds ``[B|1, Hm, Nk(, M)]`` become a validated
+    :class:`FlashMask` of ``n_keys`` rows (rows >= 0, below ``n_keys``, sorted disjoint intervals),
+    built once per forward (every layer gets the same tensors) on ``device``."""
+    if (fms is None) != (fme is None):
+        raise ValueError("fms, fme: expected both or neither, got only " + ("fms" if fme is None else "fme"))
+    if flashmask is not None:
+        from fm_parallel.distributed.prepared import PreparedMask  # a context's step mask (the trainer passes it whole)
+
+        if not isinstance(flashmask, (FlashMask, PreparedMask)):
+            raise ValueError(f"flashmask: expected a FlashMask (fm_parallel.masks builders, or pass fms=/fme=; a dense "
+                             f"mask goes in attention_mask= as [B, 1, Nq, Nk]), got {type(flashmask).__name__}")
+        if fms is not None:
+            raise ValueError("flashmask: expected a FlashMask or fms/fme, got both")
+        return flashmask
+    if fms is None:
+        return None
+    for name, t in (("fms", fms), ("fme", fme)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected an integer torch.Tensor [B, Hm, Nk] or [B, Hm, Nk, M], got {type(t).__name__}")
+
+    def make() -> FlashMask:
+        # validate=True: the caller's bounds are checked as flashmask_attention checks them (one sync per forward).
+        mask = FlashMask(fms.to(device), fme.to(device), n_keys)
+        if mask.num_keys != n_keys:
+            raise ValueError(f"fms: expected {n_keys} key columns (the keys' length), got {mask.num_keys}")
+        return mask
+
+    return _CHECKED.get((fms, fme), (n_keys, device), make)
+
+
 def attention_forward(
     module,
     query: torch.Tensor,
@@ -192,8 +224,17 @@ def attention_forward(
         if kwargs.get(name) is not None:
             raise ValueError(f"{name}: this model's attention uses {name}, which fm_parallel does not implement; "
                              "use attn_implementation='sdpa' or 'eager' for it")
+    for name in ("fm_segment", "fm_sample"):
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{name}: expected no preference-row layout in a model forward, got a FlashMaskCollator preference "
+                "batch passed whole (a plain Trainer would train next-token loss on both responses, not DPO): train "
+                "with fm_parallel.integrations.dpo.FlashMaskDPOTrainer, or pass the model input_ids, position_ids and "
+                "flashmask only and score the responses with response_logps(logits, batch)")
     query, key, value = autocast_inputs(query, key, value)
     attention_mask_in = attention_mask
+    n_keys = key.shape[2] if fm_context is None else fm_context.plan.num_tokens
+    flashmask = _caller_mask(flashmask, fms, fme, n_keys, query.device)
     if attention_mask is not None and attention_mask.dim() == 4:
         if flashmask is not None or fms is not None or fm_context is not None:
             raise ValueError("attention_mask: got a 4-D mask and a FlashMask (or a context); pass one of them")
@@ -201,9 +242,6 @@ def attention_forward(
         dense = attention_mask[:, :, :, : key.shape[2]]
         out = flashmask_attention(query, key, value, attn_mask=dense, scale=scaling, impl=fm_impl)
         return out.transpose(1, 2).contiguous(), None
-    if flashmask is None and fms is not None:
-        flashmask = FlashMask(fms.to(query.device), fme.to(query.device), validate=False)
-    n_keys = key.shape[2] if fm_context is None else fm_context.plan.num_tokens
     if flashmask is None:
         if fm_context is not None:  # local positions are a shard's, not a packing: the caller brings the mask
             flashmask = _default_mask(n_keys, bool(getattr(module, "is_causal", True)), query.device)
@@ -232,4 +270,5 @@ def attention_forward(
 
 
 _DERIVED_PADDED = _PerForward()
+_CHECKED = _PerForward()  # the caller's fms/fme, validated once per forward
 _MOVED = _PerForward()  # one move per forward, not per layer: kernel plans cached on the moved mask are reused

@@ -1,0 +1,149 @@
+"""DPO with a shared prompt in the Hugging Face ``Trainer``: each pair is packed as one prompt followed
+by both responses under the FlashMask ``preference`` mask (the prompt computed once, not once per
+response as in TRL's layout), and trained with the sigmoid DPO loss.
+
+    from fm_parallel.integrations import transformers as fm_hf
+    from fm_parallel.integrations.dpo import FlashMaskDPOTrainer
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, attn_implementation=fm_hf.register()), lora)
+    trainer = FlashMaskDPOTrainer(model=model, args=TrainingArguments(...), beta=0.1,
+                                  train_dataset=[{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r}, ...])
+    trainer.train()     # logs loss and TRL's DPO metrics: rewards/chosen, rewards/rejected, rewards/margins,
+                        # rewards/accuracies, logps/chosen, logps/rejected
+
+The reference is the peft model with its adapter disabled, or ``ref_model=`` (a frozen model, also on
+the ``fm_parallel`` attention). A response's first token is not scored (the prompt's last position is
+shared by both responses): start responses with a separator token when the first token matters, and the
+losses equal TRL's ``DPOTrainer`` on prompt + separator, response.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from transformers import Trainer
+
+from fm_parallel.integrations import transformers as fm_hf
+from fm_parallel.integrations.collator import FlashMaskCollator, response_logps
+
+__all__ = ["FlashMaskDPOTrainer", "dpo_loss"]
+
+_MODEL_KEYS = ("input_ids", "position_ids", "flashmask")
+
+
+def dpo_loss(policy: torch.Tensor, reference: torch.Tensor, beta: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The sigmoid DPO loss of ``policy`` / ``reference`` log-probabilities ``[samples, 2]`` (column 0
+    chosen, 1 rejected): ``(losses [samples], metrics)``, the metrics per sample and detached, named as
+    TRL's ``DPOTrainer`` logs them (``rewards/chosen`` = beta * (pi - ref) of the chosen response, ...)."""
+    chosen = policy[:, 0] - reference[:, 0]
+    rejected = policy[:, 1] - reference[:, 1]
+    losses = -F.logsigmoid(beta * (chosen - rejected))
+    r_chosen, r_rejected = beta * chosen.detach(), beta * rejected.detach()
+    metrics = {"rewards/chosen": r_chosen, "rewards/rejected": r_rejected, "rewards/margins": r_chosen - r_rejected,
+               "rewards/accuracies": (r_chosen > r_rejected).to(r_chosen.dtype),
+               "logps/chosen": policy[:, 0].detach(), "logps/rejected": policy[:, 1].detach()}
+    return losses, metrics
+
+
+def _check_attention(model, name: str) -> None:
+    """Refuse a model whose attention is not ours: every other implementation ignores the ``flashmask``
+    keyword, so both responses would see each other (and the next pair) without an error."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    impl = getattr(getattr(base, "config", None), "_attn_implementation", None)
+    if impl is None or ALL_ATTENTION_FUNCTIONS.get(impl) is not fm_hf.attention_forward:
+        raise ValueError(f"{name}: expected a model loaded with attn_implementation=fm_parallel.integrations.transformers."
+                         f"register() (the only attention that reads the preference mask), got attn_implementation {impl!r}")
+
+
+class FlashMaskDPOTrainer(Trainer):
+    """A ``transformers.Trainer`` whose loss is shared-prompt DPO.
+
+    Args:
+        model: the policy: a peft model (the reference is it with the adapter disabled) or, with
+            ``ref_model``, any causal LM; loaded with ``attn_implementation=fm_hf.register()``.
+        args: ``TrainingArguments``; ``remove_unused_columns`` may stay True (the example fields are kept).
+        ref_model: the frozen reference model (same attention), or None (peft: adapter disabled).
+        beta: the DPO temperature, > 0.
+        data_collator: default ``FlashMaskCollator(vocab_size=model.config.vocab_size)``, one row per
+            batch; pass ``FlashMaskCollator(seq_len=...)`` to pack into rows of a fixed length.
+        **kwargs: the rest of ``Trainer``'s arguments (``train_dataset``, ``eval_dataset``, ...).
+    Examples: ``{"prompt_ids", "chosen_ids", "rejected_ids"}`` (or ``response_ids`` with two
+    responses), lists of token ids. The loss of a step is the mean over its pairs, as TRL's.
+    """
+
+    loss_is_scaled_for_ga = False  # a mean over this micro-batch's pairs: the Trainer divides by the accumulation steps
+
+    def __init__(self, model=None, args=None, *, ref_model=None, beta: float = 0.1, data_collator=None, **kwargs):
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) or beta <= 0:
+            raise ValueError(f"beta: expected a finite float > 0, got {beta!r}")
+        if model is None or not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model: expected a causal LM (a peft model, or any with ref_model=), got {type(model).__name__}")
+        _check_attention(model, "model")
+        if ref_model is None:
+            if not hasattr(model, "disable_adapter"):
+                raise ValueError(f"ref_model: expected a reference model, or a peft model whose adapter disabled is the "
+                                 f"reference, got ref_model=None and a {type(model).__name__}")
+        else:
+            _check_attention(ref_model, "ref_model")
+        if data_collator is None:
+            config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+            pad = getattr(config, "pad_token_id", None)
+            data_collator = FlashMaskCollator(pad_token_id=pad if isinstance(pad, int) and pad >= 0 else 0,
+                                              vocab_size=getattr(config, "vocab_size", None))
+        super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
+        self.beta = float(beta)
+        self.ref_model = None
+        if ref_model is not None:
+            ref_model.eval().requires_grad_(False)
+            self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+    def _set_signature_columns_if_needed(self):
+        # The model never sees the examples' fields: the collator turns them into rows, so they are kept.
+        if self._signature_columns is None:
+            self._signature_columns = ["prompt_ids", "chosen_ids", "rejected_ids", "response_ids"]
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not isinstance(inputs, dict) or "fm_segment" not in inputs:
+            got = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
+            raise ValueError(f"inputs: expected FlashMaskCollator preference rows (fm_segment, fm_sample) from examples "
+                             f"{{prompt_ids, chosen_ids, rejected_ids}}, got keys {got}")
+        model_inputs = {k: inputs[k] for k in _MODEL_KEYS}
+        outputs = model(**model_inputs, use_cache=False)
+        policy = response_logps(outputs.logits, inputs, responses=2)
+        with torch.no_grad():
+            if self.ref_model is not None:
+                ref_logits = self.ref_model(**model_inputs, use_cache=False).logits
+            else:
+                unwrapped = self.accelerator.unwrap_model(model)
+                with unwrapped.disable_adapter():
+                    ref_logits = unwrapped(**model_inputs, use_cache=False).logits
+            reference = response_logps(ref_logits, inputs, responses=2)
+        losses, metrics = dpo_loss(policy, reference, self.beta)
+        loss = losses.mean()
+        mode = "train" if model.training else "eval"
+        for key, value in metrics.items():
+            self._metrics[mode][key].append(self.accelerator.gather_for_metrics(value).float().mean().item())
+        return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # The Trainer's default would run the plain forward on the rows (refused by the backend).
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # The metrics of the steps since the last log, averaged (eval_ prefixed in evaluation), as TRL.
+        mode = "train" if self.model.training else "eval"
+        metrics = {key: sum(v) / len(v) for key, v in self._metrics[mode].items() if v}
+        if mode == "eval":
+            metrics = {f"eval_{key}": value for key, value in metrics.items()}
+        logs.update(metrics)
+        super().log(logs, start_time)
+        self._metrics[mode].clear()
