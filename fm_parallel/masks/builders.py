@@ -11,7 +11,8 @@ argument lists one layout per batch row.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 from functools import reduce
 
 import torch
@@ -37,15 +38,47 @@ __all__ = [
 
 
 # ------------------------------------------------------------------ helpers
-def _check_int(name: str, value, low: int = 0, high: int = _INT32_MAX) -> int:
-    """Rows and lengths are int32 in a FlashMask: every size a builder takes lies in ``[low, 2^31 - 1]``."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_floating_point:
-        value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
-    if value > high:
-        raise ValueError(f"{name}: expected an int >= {low} and <= {high} (rows are int32), got {value!r}")
-    return value
+def _is_bool(value) -> bool:
+    """Python, NumPy and torch booleans: ``True`` is an ``int`` to Python, never a size to us."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype == torch.bool
+    return isinstance(value, bool) or type(value).__name__ == "bool_"
+
+
+def check_int(name: str, value, low: int = 0, high: int = _INT32_MAX) -> int:
+    """``value`` as an int in ``[low, high]``, or a ValueError naming ``name``, the range and the value.
+
+    The one validator for integer arguments of the public API (builders, converters,
+    ``flashmask_attention``). Takes Python and NumPy ints and one-element integer tensors; refuses
+    bools of every kind (``True`` would be a 1 that nobody meant), floats, strings and wider tensors.
+    Rows and lengths are int32 in a FlashMask, hence the default ``high = 2^31 - 1``.
+    """
+    index = None
+    if not _is_bool(value):
+        try:
+            index = operator.index(value)
+        except (TypeError, RuntimeError, ValueError):  # a float, a str, a tensor of several elements
+            index = None
+    if high == _INT32_MAX:
+        expected = f"an int >= {low}"
+        if index is not None and index > high:
+            raise ValueError(f"{name}: expected {expected} and <= {high} (rows are int32), got {value!r}")
+    else:
+        expected = f"an int in [{low}, {high}]"
+    if index is None or not low <= index <= high:
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+    return index
+
+
+def check_bool(name: str, value) -> bool:
+    """``value`` if it is a bool (Python or NumPy), else a ValueError naming ``name`` (a truthy
+    ``'x'`` or ``1`` is a mistake to report, not a flag to guess)."""
+    if isinstance(value, bool) or (not isinstance(value, torch.Tensor) and _is_bool(value)):
+        return bool(value)
+    raise ValueError(f"{name}: expected a bool (True or False), got {value!r}")
+
+
+_check_int = check_int  # the builders' historical name
 
 
 def _is_nested(x) -> bool:
@@ -58,7 +91,7 @@ def _is_nested(x) -> bool:
 
 def _int_list(name: str, x) -> list[int]:
     if isinstance(x, torch.Tensor):
-        if x.dim() != 1 or x.dtype.is_floating_point:
+        if x.dim() != 1 or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
             raise ValueError(f"{name}: expected a 1-D integer tensor, got shape {tuple(x.shape)} {x.dtype}")
         x = x.tolist()
     if not isinstance(x, Sequence) or isinstance(x, str):
@@ -143,6 +176,7 @@ def document(
         causal: causal inside each document (SFT) or bidirectional (encoders).
         n: row length; tokens past the last document are padding (default: the longest row).
     """
+    causal = check_bool("causal", causal)
     given = [x is not None for x in (lengths, cu_seqlens, doc_ids)]
     if sum(given) != 1:
         raise ValueError(f"document: expected exactly one of lengths, cu_seqlens, doc_ids, got {sum(given)}")
@@ -172,7 +206,8 @@ def document(
 def _runs(doc_ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if not isinstance(doc_ids, torch.Tensor):
         doc_ids = torch.as_tensor(doc_ids)
-    if doc_ids.dtype.is_floating_point or doc_ids.dim() not in (1, 2) or doc_ids.numel() == 0:
+    if (doc_ids.dtype.is_floating_point or doc_ids.dtype.is_complex or doc_ids.dtype == torch.bool
+            or doc_ids.dim() not in (1, 2) or doc_ids.numel() == 0):
         raise ValueError(f"doc_ids: expected a non-empty [N] or [B, N] integer tensor, got {tuple(doc_ids.shape)} {doc_ids.dtype}")
     ids = doc_ids.to(torch.int64).cpu()
     ids = ids.view(1, -1) if ids.dim() == 1 else ids
@@ -240,6 +275,13 @@ def prefix_lm(n: int | None = None, prefix_len=None, *, lengths=None) -> FlashMa
     return _make(torch.where(j <= prefix_end, start, j), end, pad, n)
 
 
+def _is_list(x) -> bool:
+    """A list of sizes (one per packed sample) rather than one size."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() > 0
+    return isinstance(x, Sequence) and not isinstance(x, str)
+
+
 def preference(prompt_len, response_lens, *, n: int | None = None) -> FlashMask:
     """One prompt followed by k responses (DPO: k = 2, reward models: any k), packable.
 
@@ -247,13 +289,19 @@ def preference(prompt_len, response_lens, *, n: int | None = None) -> FlashMask:
     ``preference(p, [r1, ..., rk])`` for one sample, or ``preference([p1, p2], [[..], [..]])`` for
     several samples packed one after another in the row. ``n`` pads the row.
     """
-    if isinstance(prompt_len, (int, torch.Tensor)) and not (isinstance(prompt_len, torch.Tensor) and prompt_len.dim()):
-        prompts, responses = [_check_int("prompt_len", prompt_len)], [_int_list("response_lens", response_lens)]
+    if not _is_list(prompt_len):
+        prompts, responses = [check_int("prompt_len", prompt_len)], [_int_list("response_lens", response_lens)]
     else:
         prompts = _int_list("prompt_len", prompt_len)
         responses = _rows("response_lens", response_lens)
         if len(responses) != len(prompts):
             raise ValueError(f"response_lens: expected one list per prompt ({len(prompts)}), got {len(responses)}")
+    given = f"prompt_len={prompt_len!r}, response_lens={response_lens!r}"
+    return _preference(prompts, responses, n, "prompt_len, response_lens", given)
+
+
+def _preference(prompts: list[int], responses: list[list[int]], n, names: str, given: str) -> FlashMask:
+    """The preference layout; ``names`` / ``given`` are the caller's arguments, for its errors."""
     seg_len, seg_shared, seg_group_end = [], [], []
     offset = 0
     for p, rs in zip(prompts, responses):
@@ -264,7 +312,9 @@ def preference(prompt_len, response_lens, *, n: int | None = None) -> FlashMask:
         seg_shared += [True] + [False] * len(rs)
         seg_group_end += [group_end] * (1 + len(rs))
         offset += p + sum(rs)
-    n = _row_length("prompt and responses", [seg_len], n)
+    if offset == 0 and n is None:
+        raise ValueError(f"{names}: expected at least one non-zero length (or n for an all-padding row), got {given}")
+    n = _row_length(names, [seg_len], n)
     start, end, pad = _layout([seg_len], n)
     lens = torch.tensor(seg_len + [n - offset])
     shared = torch.repeat_interleave(torch.tensor(seg_shared + [False]), lens).view(1, n)
@@ -278,14 +328,15 @@ def dpo(prompt_len, chosen_len, rejected_len, *, n: int | None = None) -> FlashM
 
     Lists of equal length pack several pairs one after another.
     """
-    if isinstance(prompt_len, (list, tuple, torch.Tensor)) and not (
-        isinstance(prompt_len, torch.Tensor) and prompt_len.dim() == 0
-    ):
+    names = "prompt_len, chosen_len, rejected_len"
+    given = f"{prompt_len!r}, {chosen_len!r}, {rejected_len!r}"
+    if _is_list(prompt_len):
         p, c, r = (_int_list(nm, x) for nm, x in (("prompt_len", prompt_len), ("chosen_len", chosen_len), ("rejected_len", rejected_len)))
         if not len(p) == len(c) == len(r):
             raise ValueError(f"chosen_len, rejected_len: expected {len(p)} entries like prompt_len, got {len(c)} and {len(r)}")
-        return preference(p, [[a, b] for a, b in zip(c, r)], n=n)
-    return preference(prompt_len, [_check_int("chosen_len", chosen_len), _check_int("rejected_len", rejected_len)], n=n)
+        return _preference(p, [[a, b] for a, b in zip(c, r)], n, names, given)
+    pairs = [[check_int("chosen_len", chosen_len), check_int("rejected_len", rejected_len)]]
+    return _preference([check_int("prompt_len", prompt_len)], pairs, n, names, given)
 
 
 def sliding_window(n: int, window: int, sinks: int = 0) -> FlashMask:
@@ -303,7 +354,8 @@ def sample_lengths(n: int, mean: int = 2048, seed: int = 1) -> list[int]:
     pack the same documents for the same ``n``, ``mean`` and ``seed``.
     """
     n, mean = _check_int("n", n, 1), _check_int("mean", mean, 4)
-    g = torch.Generator().manual_seed(seed)
+    # torch.Generator takes seeds in [-2^63, 2^64)
+    g = torch.Generator().manual_seed(check_int("seed", seed, -(2**63), 2**64 - 1))
     lengths: list[int] = []
     while sum(lengths) < n:
         lengths.append(int(torch.randint(mean // 4, mean * 7 // 4, (1,), generator=g)))
@@ -313,22 +365,25 @@ def sample_lengths(n: int, mean: int = 2048, seed: int = 1) -> list[int]:
 
 # ---------------------------------------------------------------- combinators
 def _common(masks, name: str):
+    """The masks of a combinator: FlashMasks of one shape of rows and keys, on one device. Errors
+    name the argument at fault as ``masks[i]`` (the i-th mask given)."""
     if not masks:
-        raise ValueError(f"{name}: expected at least one FlashMask, got none")
+        raise ValueError(f"masks: expected at least one FlashMask for {name}, got none")
     for i, m in enumerate(masks):
         if not isinstance(m, FlashMask):
-            raise ValueError(f"{name}: expected FlashMask arguments, got {type(m).__name__} at position {i}")
-        if (m.num_keys, m.num_rows, m.device) != (masks[0].num_keys, masks[0].num_rows, masks[0].device):
+            raise ValueError(f"masks[{i}]: expected a FlashMask for {name}, got {type(m).__name__}")
+    first = masks[0]
+    for i, m in enumerate(masks[1:], 1):
+        if (m.num_keys, m.num_rows, m.device) != (first.num_keys, first.num_rows, first.device):
             raise ValueError(
-                f"{name}: expected masks of equal num_keys, num_rows and device, got "
-                f"{masks[0]!r} and {m!r}"
+                f"masks[{i}]: expected num_keys={first.num_keys}, num_rows={first.num_rows}, device={first.device} "
+                f"like masks[0] for {name}, got num_keys={m.num_keys}, num_rows={m.num_rows}, device={m.device}"
             )
 
 
 def _combine(op, name: str, masks, max_intervals: int) -> FlashMask:
     _common(masks, name)
-    if not isinstance(max_intervals, int) or not 1 <= max_intervals <= MAX_INTERVALS:
-        raise ValueError(f"max_intervals: expected an int in [1, {MAX_INTERVALS}], got {max_intervals!r}")
+    max_intervals = check_int("max_intervals", max_intervals, 1, MAX_INTERVALS)
     rows = masks[0].num_rows
 
     def pair(a, b):
@@ -353,11 +408,13 @@ def intersect(*masks: FlashMask, max_intervals: int = MAX_INTERVALS) -> FlashMas
 
 def stack(masks: Sequence[FlashMask]) -> FlashMask:
     """Concatenate single-row masks along the batch dimension (one layout per batch row)."""
+    if isinstance(masks, (FlashMask, str, torch.Tensor)) or not isinstance(masks, Iterable):
+        raise ValueError(f"masks: expected a sequence of FlashMask (one per batch row), got {type(masks).__name__}")
     masks = list(masks)
     _common(masks, "stack")
-    heads = {m.heads for m in masks}
-    if len(heads) != 1:
-        raise ValueError(f"stack: expected masks with the same number of mask heads, got {sorted(heads)}")
+    for i, x in enumerate(masks):
+        if x.heads != masks[0].heads:
+            raise ValueError(f"masks[{i}]: expected {masks[0].heads} mask heads like masks[0] for stack, got {x.heads}")
     m = max(x.max_intervals for x in masks)
     masks = [x.expand_intervals(m) for x in masks]
     return FlashMask(
@@ -378,7 +435,7 @@ def from_dense(mask: torch.Tensor, max_intervals: int = MAX_INTERVALS) -> FlashM
     if not isinstance(mask, torch.Tensor) or mask.dim() not in (2, 4):
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise ValueError(f"mask: expected a [Nq, Nk] or [B, H, Nq, Nk] tensor, got {shape}")
-    max_intervals = _check_int("max_intervals", max_intervals, 1)
+    max_intervals = check_int("max_intervals", max_intervals, 1, MAX_INTERVALS)
     if mask.numel() == 0:
         raise ValueError(f"mask: expected at least one query row and one key column, got shape {tuple(mask.shape)}")
     if mask.shape[-2] > _INT32_MAX or mask.shape[-1] > _INT32_MAX:

@@ -156,7 +156,7 @@ def test_stack_rows():
         (lambda: masks.sliding_window(5, 0), "window: expected an int >= 1, got 0"),
         (lambda: masks.dpo([1, 2], [1], [1, 1]), "expected 2 entries like prompt_len"),
         (lambda: masks.preference(3, []), "at least one response"),
-        (lambda: masks.union(masks.causal(4), masks.causal(5)), "expected masks of equal num_keys"),
+        (lambda: masks.union(masks.causal(4), masks.causal(5)), r"masks\[1\]: expected num_keys=4, num_rows=4, device=cpu like masks\[0\]"),
         # The argument at fault is named (an empty list once blamed n), and sizes past int32 rows are refused.
         (lambda: masks.document([]), r"lengths: expected at least one non-empty document"),
         (lambda: masks.document([0, 0]), r"lengths: expected at least one non-empty document"),

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fm_parallel import FlashMask, masks
+from tests.masks import paddle_reference
 
 
 def random_intervals(b, h, nq, nk, max_m, seed):
@@ -98,57 +99,121 @@ def test_select_keys_keeps_global_rows():
 
 
 # ------------------------------------------------------------------ Paddle
-def paddle_dense(x: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Paddle's documented semantics, written out per column: the masked rows -> visible picture."""
-    b, h, n, k = x.shape
-    vis = torch.ones(b, h, n, n, dtype=torch.bool)
-    i = torch.arange(n).view(n, 1)
-    j = torch.arange(n).view(1, n)
-    lower, upper = i >= j, i < j
-    lts = x[..., 0].unsqueeze(-2)
-    if causal:
-        lte = x[..., 1].unsqueeze(-2) if k == 2 else torch.full_like(lts, n)
-        vis &= ~upper
-        vis &= ~(lower & (i >= lts) & (i < lte))
-    else:
-        lte = x[..., 1].unsqueeze(-2) if k == 4 else torch.full_like(lts, n)
-        vis &= ~(lower & (i >= lts) & (i < lte))
-        if k == 2:
-            vis &= ~(upper & (i < x[..., 1].unsqueeze(-2)))
-        if k == 4:
-            vis &= ~(upper & (i >= x[..., 2].unsqueeze(-2)) & (i < x[..., 3].unsqueeze(-2)))
-    return vis
+# Paddle's own generators and dense reference (tests/masks/paddle_reference.py, ported from
+# PaddlePaddle/flash-attention 9985af5). Shapes from Paddle's test_flashmask.py shape_cases, scaled
+# down, with Nq != Nk both ways (its causal part is bottom-right aligned).
+PADDLE_SHAPES = [(2, 2, 64, 64), (1, 1, 48, 64), (1, 2, 80, 64), (1, 1, 127, 128), (2, 1, 128, 127), (1, 1, 1, 128)]
 
 
-@pytest.mark.parametrize("causal,k", [(True, 1), (True, 2), (False, 1), (False, 2), (False, 4)])
-@pytest.mark.parametrize("n", [1, 9, 64])
-def test_paddle_round_trip_random(causal, k, n):
-    g = torch.Generator().manual_seed(n * 10 + k)
-    j = torch.arange(n)
-    # Random masked ranges that respect Paddle's layout: lower-part ranges start at or below the diagonal.
-    lts = torch.randint(0, n + 1, (2, 1, n), generator=g).maximum(j)
-    lte = torch.randint(0, n + 1, (2, 1, n), generator=g).maximum(lts)
-    uts = torch.randint(0, n + 1, (2, 1, n), generator=g).minimum(j)
-    ute = torch.randint(0, n + 1, (2, 1, n), generator=g).minimum(j).maximum(uts)
-    parts = {1: [lts], 2: [lts, lte] if causal else [lts, ute], 4: [lts, lte, uts, ute]}[k]
-    x = torch.stack(parts, -1).to(torch.int32)
-    want = paddle_dense(x, causal)
+def _paddle_accepts(x, causal):
+    return x.dtype == torch.int32 and x.dim() == 4 and x.shape[-1] in ((1, 2) if causal else (2, 4))
+
+
+@pytest.mark.parametrize("gen", paddle_reference.GENERATORS, ids=lambda g: g.__name__[len("generate_"):])
+def test_from_paddle_matches_paddles_reference_on_paddles_generators(gen):
+    for b, h, nq, nk in PADDLE_SHAPES:
+        x, causal = gen(b, nq, nk, h)
+        want = paddle_reference.startend_row_indices_to_attn_bias(x, nq, x.shape[1], causal)
+        m = masks.from_paddle(x, causal, seqlen_q=nq)
+        assert m.num_rows == nq and m.num_keys == nk
+        assert torch.equal(m.to_dense(), want), (b, h, nq, nk)
+        # And back: a form Paddle accepts, with the same picture by Paddle's reference and by ours.
+        back, back_causal = masks.to_paddle(m)
+        assert _paddle_accepts(back, back_causal)
+        assert back.shape[-1] <= x.shape[-1] or back_causal != causal
+        assert torch.equal(paddle_reference.startend_row_indices_to_attn_bias(back, nq, x.shape[1], back_causal), want)
+        assert torch.equal(masks.from_paddle(back, back_causal, seqlen_q=nq).to_dense(), want)
+
+
+def test_paddle_document_mask_is_read_as_paddle_computes_it():
+    # Paddle's generate_document_mask gives document 1 (rows 3..7) the upper end len_1 = 5, not its
+    # start 3: Paddle masks rows 3, 4 of column 3 (raw rows < UTE), where clipping to the upper
+    # triangle (the old reading) kept them visible.
+    x, causal = paddle_reference.generate_document_mask(1, 10, 10, 1, doc_seqlens=[3, 5, 2])
+    assert x[0, 0, 3].tolist() == [8, 5] and not causal
     m = masks.from_paddle(x, causal)
+    assert m.to_dense()[0, 0, :, 3].tolist() == [False] * 5 + [True] * 3 + [False] * 2
+
+
+@pytest.mark.parametrize("causal,width", [(True, 1), (True, 2), (False, 2), (False, 4)])
+@pytest.mark.parametrize("nq,nk", [(1, 1), (9, 9), (7, 12), (12, 7)])
+def test_from_paddle_random_raw_rows(causal, width, nq, nk):
+    # Any rows in [0, Nq + 2], in any order: Paddle compares them raw (no triangle, no sorting).
+    g = torch.Generator().manual_seed(nq * 100 + nk * 10 + width)
+    x = torch.randint(0, nq + 3, (2, 3, nk, width), generator=g, dtype=torch.int32)
+    want = paddle_reference.startend_row_indices_to_attn_bias(x, nq, 3, causal)
+    m = masks.from_paddle(x, causal, seqlen_q=nq)
     assert torch.equal(m.to_dense(), want)
     back, back_causal = masks.to_paddle(m)
-    assert back.shape[-1] <= k or not causal
-    assert torch.equal(paddle_dense(back, back_causal), want)
+    assert _paddle_accepts(back, back_causal)
+    assert torch.equal(paddle_reference.startend_row_indices_to_attn_bias(back, nq, 3, back_causal), want)
 
 
-def test_paddle_picks_smallest_form():
+@pytest.mark.parametrize("seed", range(3))
+def test_to_paddle_of_our_masks_or_not_expressible(seed):
+    # Random FlashMasks (up to 3 visible ranges per column): to_paddle gives Paddle's picture exactly,
+    # or raises MaskNotExpressible exactly when some column has more than 2 masked ranges.
+    nq, nk = 11, 9
+    fms, fme, picture = random_intervals(1, 2, nq, nk, 3, seed)
+    m = FlashMask(fms, fme, nq)
+    padded = torch.nn.functional.pad(picture.transpose(-1, -2), (1, 1), value=True)  # [B, H, Nk, Nq + 2]
+    masked_ranges = (~padded[..., 1:-1] & padded[..., :-2]).sum(-1)
+    if int(masked_ranges.max()) > 2:
+        with pytest.raises(masks.MaskNotExpressible, match="Paddle form"):
+            masks.to_paddle(m)
+        return
+    x, causal = masks.to_paddle(m)
+    assert _paddle_accepts(x, causal)
+    assert torch.equal(paddle_reference.startend_row_indices_to_attn_bias(x, nq, 2, causal), picture)
+
+
+def test_to_paddle_picks_the_smallest_form_paddle_accepts():
     x, c = masks.to_paddle(masks.document([3, 5, 2]))
     assert c and x.shape[-1] == 1 and x[0, 0, :, 0].tolist() == [3, 3, 3, 8, 8, 8, 8, 8, 10, 10]
+    x, c = masks.to_paddle(masks.sliding_window(6, 2))
+    assert c and x.shape[-1] == 1 and x[0, 0, :, 0].tolist() == [2, 3, 4, 5, 6, 6]
+    gap = masks.causal(6).to_dense()[0, 0]
+    gap[2:4, 0] = False  # column 0 masks rows 2, 3 and sees 4, 5 again: causal, width 2
+    x, c = masks.to_paddle(masks.from_dense(gap))
+    assert c and x[0, 0].tolist() == [[2, 4]] + [[6, 6]] * 5
+    # Bidirectional documents: once the non-causal width-1 form (which Paddle refuses), now width 2.
     x, c = masks.to_paddle(masks.document([3, 5, 2], causal=False))
+    assert not c and x[0, 0].tolist() == [[3, 0]] * 3 + [[8, 3]] * 5 + [[10, 8]] * 2
+    x, c = masks.to_paddle(masks.full(4))
     assert not c and x.shape[-1] == 2
-    with pytest.raises(masks.MaskNotExpressible, match="Paddle form"):
-        stripes = torch.zeros(5, 5, dtype=torch.bool)
-        stripes[[0, 2, 4], 0] = True  # column 0: two masked gaps below the diagonal
+    # SDPA-style top-left causal with more rows than keys is not Paddle's bottom-right causal.
+    x, c = masks.to_paddle(masks.causal(4, num_rows=6))
+    assert not c and x.shape[-1] == 2
+    assert torch.equal(masks.from_paddle(x, c, seqlen_q=6).to_dense(), masks.causal(4, num_rows=6).to_dense())
+    # Two masked ranges (above and below a global row): width 4.
+    two = torch.ones(5, 5, dtype=torch.bool)
+    two[[1, 3], 0] = False
+    x, c = masks.to_paddle(masks.from_dense(two))
+    assert not c and x.shape[-1] == 4
+    with pytest.raises(masks.MaskNotExpressible, match="key column 0 has 3 masked row ranges"):
+        stripes = torch.ones(6, 6, dtype=torch.bool)
+        stripes[[0, 2, 4], 0] = False
         masks.to_paddle(masks.from_dense(stripes))
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        # Paddle's interface.py refuses these (int32 only, rank 4, width 1|2 causal, 2|4 non-causal).
+        (lambda: masks.from_paddle(torch.zeros(1, 1, 4, 1, dtype=torch.int32), False), r"expected an int32 tensor \[B, H, Nk, 2 or 4\] with causal=False"),
+        (lambda: masks.from_paddle(torch.zeros(1, 1, 4, 4, dtype=torch.int32), True), r"\[B, H, Nk, 1 or 2\] with causal=True"),
+        (lambda: masks.from_paddle(torch.zeros(1, 1, 4, 2, dtype=torch.int64), False), "got shape \\(1, 1, 4, 2\\) torch.int64"),
+        (lambda: masks.from_paddle(torch.zeros(1, 4, 2, dtype=torch.int32), False), "startend_row_indices: expected an int32 tensor"),
+        (lambda: masks.from_paddle([[[[0, 0]]]], False), "got list"),
+        (lambda: masks.from_paddle(torch.tensor([[[[2, -1]]]], dtype=torch.int32), False), r"expected rows >= 0, got startend_row_indices\[0, 0, 0, 1\] = -1"),
+        (lambda: masks.from_paddle(torch.zeros(1, 1, 4, 2, dtype=torch.int32), 1), r"causal: expected a bool \(True or False\), got 1"),
+        (lambda: masks.from_paddle(torch.zeros(1, 1, 4, 2, dtype=torch.int32), False, seqlen_q=0), "seqlen_q: expected an int >= 1, got 0"),
+        (lambda: masks.to_paddle(torch.zeros(4, 4)), "mask: expected a FlashMask, got Tensor"),
+    ],
+)
+def test_paddle_refusals(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
 
 
 # ------------------------------------------------------------ FlexAttention
