@@ -52,21 +52,35 @@ def _check_qkv(q, k, v):
     return b, hq, nq, hkv, k.shape[2]
 
 
+# The last query row: rows are int32 and a mask covering row r has num_rows = r + 1 <= 2^31 - 1.
+_LAST_ROW = 2**31 - 2
+
+
 def _positions(nq: int, q_offset, q_positions, device) -> torch.Tensor:
     if q_positions is not None:
         if not isinstance(q_offset, int) or q_offset != 0:
             raise ValueError(f"q_offset: expected 0 when q_positions is given, got {q_offset!r}")
-        if not isinstance(q_positions, torch.Tensor) or q_positions.dtype.is_floating_point:
-            raise ValueError(f"q_positions: expected an integer tensor [{nq}], got {type(q_positions).__name__}")
+        if (not isinstance(q_positions, torch.Tensor) or q_positions.dtype.is_floating_point
+                or q_positions.dtype.is_complex or q_positions.dtype == torch.bool):
+            got = q_positions.dtype if isinstance(q_positions, torch.Tensor) else type(q_positions).__name__
+            raise ValueError(f"q_positions: expected an integer tensor [{nq}], got {got}")
         if q_positions.shape != (nq,):
             raise ValueError(f"q_positions: expected shape [{nq}] (one row per query), got {tuple(q_positions.shape)}")
         pos = q_positions.to(device=device, dtype=torch.int64)
         low, high = torch.aminmax(pos)
-        if int(low) < 0 or int(high) > 2**31 - 1:
-            raise ValueError(f"q_positions: expected rows in [0, 2**31), got [{int(low)}, {int(high)}]")
+        if int(low) < 0 or int(high) > _LAST_ROW:
+            raise ValueError(
+                f"q_positions: expected rows in [0, {_LAST_ROW}] (int32 rows, num_rows = last row + 1), "
+                f"got [{int(low)}, {int(high)}]"
+            )
         return pos.to(torch.int32)
     if not isinstance(q_offset, int) or isinstance(q_offset, bool) or q_offset < 0:
         raise ValueError(f"q_offset: expected an int >= 0, got {q_offset!r}")
+    if q_offset + nq - 1 > _LAST_ROW:
+        raise ValueError(
+            f"q_offset: expected q_offset + Nq - 1 <= {_LAST_ROW} (int32 rows, num_rows = last row + 1), "
+            f"got q_offset={q_offset} with Nq={nq} (last row {q_offset + nq - 1})"
+        )
     if torch.compiler.is_compiling():
         return torch.arange(q_offset, q_offset + nq, device=device, dtype=torch.int32)
     return _consecutive_rows(q_offset, nq, device)
@@ -178,18 +192,18 @@ def flashmask_attention(
     d = q.shape[-1]
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    elif not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    elif not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite float, got {scale!r}")
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+    block_size = builders.check_int("block_size", block_size, low=1)
+    is_causal = builders.check_bool("is_causal", is_causal)
+    return_lse = builders.check_bool("return_lse", return_lse)
     if (fms is None) != (fme is None):
         raise ValueError("fms, fme: expected both or neither, got only " + ("fms" if fme is None else "fme"))
     sources = [n for n, given in (("fms/fme", fms is not None), ("mask", mask is not None),
                                   ("attn_mask", attn_mask is not None), ("is_causal", bool(is_causal))) if given]
     if len(sources) > 1:
         raise ValueError(f"mask: expected at most one of fms/fme, mask, attn_mask, is_causal, got {sources}")
-    if not isinstance(deterministic, bool):
-        raise ValueError(f"deterministic: expected a bool, got {deterministic!r}")
+    deterministic = builders.check_bool("deterministic", deterministic)
     # One resolver for every entry point (fm_parallel/backends.py): auto skips backends that cannot take
     # these dtypes or head dims; an explicit name runs or raises.
     impl = backends.resolve(impl, q.device, q.dtype, d, v.shape[-1], deterministic)

@@ -106,7 +106,7 @@ def test_explicit_impl_is_honoured_or_raises(monkeypatch):
         flashmask_attention(q, k, v, impl="cute")
     with pytest.raises(ValueError, match="deterministic: impl='cute' has no reproducible backward"):
         flashmask_attention(q, k, v, impl="cute", deterministic=True)
-    with pytest.raises(ValueError, match="deterministic: expected a bool, got 'yes'"):
+    with pytest.raises(ValueError, match=r"deterministic: expected a bool \(True or False\), got 'yes'"):
         flashmask_attention(q, k, v, deterministic="yes")
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # outside the interpreter Triton needs a GPU
     with pytest.raises(ValueError, match="impl: 'triton' needs CUDA tensors, got device cpu"):
@@ -226,12 +226,65 @@ def _bad_inputs():
         ("bad fms", lambda: flashmask_attention(q, k, v, torch.zeros(16, dtype=torch.int32), torch.full((16,), 16)), "fme: expected rows < num_rows = 16"),
         ("device", lambda: flashmask_attention(q, k, v, mask=m.to("meta")), "mask: expected device cpu like q, got meta"),
         ("scale", lambda: flashmask_attention(q, k, v, scale=float("nan")), "scale: expected a finite float"),
-        ("block", lambda: flashmask_attention(q, k, v, block_size=0), "block_size: expected a positive int"),
+        ("block", lambda: flashmask_attention(q, k, v, block_size=0), "block_size: expected an int >= 1, got 0"),
     ]
 
 
 @pytest.mark.parametrize("case", _bad_inputs(), ids=lambda c: c[0])
 def test_bad_input_raises_value_error(case):
+    _, call, message = case
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def _misnamed_arguments():
+    """Issue 35.4: arguments whose errors named another argument (num_rows, fms, 'prompt and
+    responses'), lost it (union, stack), or were not ValueErrors at all; and their siblings that
+    were silently accepted (bools and strings as flags or sizes)."""
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    checker = (torch.arange(10).view(10, 1) + torch.arange(10).view(1, 10)) % 2 == 0  # 5 ranges per column
+    two_heads = FlashMask(torch.zeros(1, 2, 4, dtype=torch.int32), torch.full((1, 2, 4), 3))
+    last = 2**31 - 1
+    return [
+        ("q_offset past int32", lambda: flashmask_attention(q, k, v, q_offset=2**31 - 8),
+         r"q_offset: expected q_offset \+ Nq - 1 <= 2147483646 .*got q_offset=2147483640 with Nq=8"),
+        ("q_offset past int32, mask", lambda: flashmask_attention(q, k, v, mask=masks.causal(8), q_offset=2**31 - 8),
+         r"q_offset: expected q_offset \+ Nq - 1 <= 2147483646"),
+        ("q_offset fms", lambda: flashmask_attention(q, k, v, masks.causal(8).fms, masks.causal(8).fme, q_offset=2**31 - 8),
+         r"q_offset: expected q_offset \+ Nq - 1 <= 2147483646"),
+        ("q_positions past int32", lambda: flashmask_attention(q, k, v, q_positions=torch.tensor([0, 1, 2, 3, 4, 5, 6, last])),
+         r"q_positions: expected rows in \[0, 2147483646\].*got \[0, 2147483647\]"),
+        ("q_positions bool", lambda: flashmask_attention(q, k, v, q_positions=torch.ones(8, dtype=torch.bool)),
+         r"q_positions: expected an integer tensor \[8\], got torch.bool"),
+        ("return_lse str", lambda: flashmask_attention(q, k, v, return_lse="y"), r"return_lse: expected a bool \(True or False\), got 'y'"),
+        ("is_causal str", lambda: flashmask_attention(q, k, v, is_causal="x"), r"is_causal: expected a bool \(True or False\), got 'x'"),
+        ("deterministic int", lambda: flashmask_attention(q, k, v, deterministic=1), r"deterministic: expected a bool \(True or False\), got 1"),
+        ("scale bool", lambda: flashmask_attention(q, k, v, scale=True), "scale: expected a finite float, got True"),
+        ("block_size bool", lambda: flashmask_attention(q, k, v, block_size=True), "block_size: expected an int >= 1, got True"),
+        ("dpo zeros", lambda: masks.dpo(0, 0, 0), "prompt_len, chosen_len, rejected_len: expected at least one non-zero length .*got 0, 0, 0"),
+        ("dpo packed zeros", lambda: masks.dpo([0], [0], [0]), r"prompt_len, chosen_len, rejected_len: .*got \[0\], \[0\], \[0\]"),
+        ("preference zeros", lambda: masks.preference(0, [0, 0]), r"prompt_len, response_lens: expected at least one non-zero length .*got prompt_len=0, response_lens=\[0, 0\]"),
+        ("union max_intervals bool", lambda: masks.union(masks.causal(4), masks.causal(4), max_intervals=True), r"max_intervals: expected an int in \[1, 4\], got True"),
+        ("union which mask", lambda: masks.union(masks.causal(4), masks.causal(4), masks.causal(5)),
+         r"masks\[2\]: expected num_keys=4, num_rows=4, device=cpu like masks\[0\] for union, got num_keys=5, num_rows=5"),
+        ("intersect not a mask", lambda: masks.intersect(masks.causal(4), 3), r"masks\[1\]: expected a FlashMask for intersect, got int"),
+        ("union none", lambda: masks.union(), "masks: expected at least one FlashMask for union, got none"),
+        ("stack int", lambda: masks.stack(5), r"masks: expected a sequence of FlashMask \(one per batch row\), got int"),
+        ("stack one mask", lambda: masks.stack(masks.causal(4)), "masks: expected a sequence of FlashMask .*got FlashMask"),
+        ("stack heads", lambda: masks.stack([masks.causal(4), two_heads]), r"masks\[1\]: expected 1 mask heads like masks\[0\] for stack, got 2"),
+        ("from_dense max_intervals 5", lambda: masks.from_dense(checker, max_intervals=5), r"max_intervals: expected an int in \[1, 4\], got 5"),
+        ("sample_lengths float seed", lambda: masks.sample_lengths(100, 8, seed=1.5), r"seed: expected an int in \[-9223372036854775808, 18446744073709551615\], got 1.5"),
+        ("bool tensor size", lambda: masks.causal(torch.tensor(True)), r"n: expected an int >= 1, got tensor\(True\)"),
+        ("bool tensor sinks", lambda: masks.sliding_window(8, 2, sinks=torch.tensor(True)), r"sinks: expected an int >= 0, got tensor\(True\)"),
+        ("bool tensor prefix", lambda: masks.prefix_lm(4, torch.tensor(True)), r"prefix_len: expected an int >= 0, got tensor\(True\)"),
+        ("bool tensor lengths", lambda: masks.document(torch.tensor([True, True])), r"lengths: expected a 1-D integer tensor, got shape \(2,\) torch.bool"),
+        ("bool doc_ids", lambda: masks.document(doc_ids=torch.tensor([True, True, False])), r"doc_ids: expected a non-empty \[N\] or \[B, N\] integer tensor, got \(3,\) torch.bool"),
+        ("document causal str", lambda: masks.document([2, 2], causal="x"), r"causal: expected a bool \(True or False\), got 'x'"),
+    ]
+
+
+@pytest.mark.parametrize("case", _misnamed_arguments(), ids=lambda c: c[0])
+def test_errors_name_the_argument_the_caller_passed(case):
     _, call, message = case
     with pytest.raises(ValueError, match=message):
         call()
