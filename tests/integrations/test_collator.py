@@ -59,6 +59,56 @@ def test_reward_model_rows_take_any_number_of_responses(models):
     torch.testing.assert_close(logps[0], logps[1], rtol=0, atol=1e-12)  # two copies, kept apart by the mask
 
 
+def test_response_logps_reads_the_batchs_layout_and_refuses_a_contradicting_count(models):
+    """Four responses per sample, read with no count: each equals its prompt + response alone (sdpa).
+    Before, the default responses=2 took sample 1's "chosen" from sample 0's third response (issue 35.3)."""
+    from fm_parallel.integrations.collator import FlashMaskCollator, response_logps
+
+    ours, ref = models
+    samples = [{"prompt_ids": tokens(5 + s, 10 * s), "response_ids": [tokens(3 + r, 10 * s + r + 1) for r in range(4)]}
+               for s in range(3)]
+    batch = FlashMaskCollator(seq_len=40)(samples)  # 23-28 tokens a sample: one per row, three rows
+    with torch.no_grad():
+        logits = ours(input_ids=batch["input_ids"], position_ids=batch["position_ids"], flashmask=batch["flashmask"]).logits
+        got = response_logps(logits, batch)
+        want = []
+        for s in samples:
+            row = []
+            for resp in s["response_ids"]:
+                ids = torch.tensor([s["prompt_ids"] + resp])
+                logp = torch.log_softmax(ref(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+                row.append(logp[len(s["prompt_ids"]):].sum())
+            want.append(torch.stack(row))
+    torch.testing.assert_close(got, torch.stack(want).to(got.dtype), rtol=0, atol=1e-10)
+    assert response_logps(logits, batch, responses=4).shape == (3, 4)
+    for wrong in (2, 3, 5):
+        with pytest.raises(ValueError, match=rf"responses: expected 4 \(the batch's layout.*got {wrong}"):
+            response_logps(logits, batch, responses=wrong)
+    # A layout edited by hand so that sample 0 lacks its last response: refused, not read as log p = 0.
+    edited = dict(batch, fm_segment=torch.where(batch["fm_segment"] == 4, 3, batch["fm_segment"]))
+    edited["fm_segment"][1:] = batch["fm_segment"][1:]
+    with pytest.raises(ValueError, match="fm_segment: expected every sample to hold responses 1..4, got row 0 sample 0 without response 4"):
+        response_logps(logits, edited)
+    with pytest.raises(ValueError, match="batch: expected a FlashMaskCollator preference batch"):
+        response_logps(logits, FlashMaskCollator()([{"input_ids": [5, 6, 7]}]))
+    with pytest.raises(ValueError, match="labels: expected token ids < the logits' vocabulary size 100, got"):
+        response_logps(logits[..., :100], batch)
+
+
+def test_the_documents_own_labels_are_honoured():
+    """Completion-only SFT: an example's labels (-100 or the token) mark what is scored; before, the
+    collator replaced them with every token after the first."""
+    from fm_parallel.integrations.collator import FlashMaskCollator
+
+    batch = FlashMaskCollator()([{"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, -100, 8, 9]},
+                                 {"input_ids": [4, 3, 2], "prefix_len": 1}])
+    assert batch["labels"].tolist() == [[-100, -100, -100, 8, 9, -100, 3, 2]]
+    with pytest.raises(ValueError, match=r"examples\[0\]\['labels'\]: expected -100 or the input id .* got 6 at index 0"):
+        FlashMaskCollator()([{"input_ids": [5, 6, 7], "labels": [6, 7, -100]}])  # shifted labels: refused
+    with pytest.raises(ValueError, match=r"examples\[0\]\['labels'\]: expected 3 labels"):
+        FlashMaskCollator()([{"input_ids": [5, 6, 7], "labels": [5, 6]}])
+
+
 def test_prefix_lm_documents_equal_each_document_alone(models):
     from fm_parallel import masks
     from fm_parallel.integrations.collator import FlashMaskCollator
@@ -103,6 +153,19 @@ def test_hf_trainer_trains_with_the_collator():
     ([{"prompt_ids": [1], "chosen_ids": [], "rejected_ids": [2]}], "expected non-empty responses"),
     ([{"input_ids": [1, 2]}, {"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3]}], "one kind per batch"),
     ([{"input_ids": list(range(70))}], r"70 tokens do not fit seq_len = 64"),
+    # Negative ids used to become labels and embedding indices (issue 35.3), in every id field.
+    ([{"input_ids": [1, -5, 3]}], r"examples\[0\]\['input_ids'\]: expected token ids >= 0, got -5 at index 1"),
+    ([{"prompt_ids": [-1, 2], "chosen_ids": [2], "rejected_ids": [3]}], r"\['prompt_ids'\]: expected token ids >= 0, got -1 at index 0"),
+    ([{"prompt_ids": [1], "chosen_ids": [2, -100], "rejected_ids": [3]}], r"\['chosen_ids'\]: expected token ids >= 0, got -100"),
+    ([{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [-3]}], r"\['rejected_ids'\]: expected token ids >= 0, got -3"),
+    ([{"prompt_ids": [1], "response_ids": [[2], [3, -4]]}], r"\['response_ids'\]\[1\]: expected token ids >= 0, got -4 at index 1"),
+    # Fields of another form, dropped silently before.
+    ([{"prompt_ids": [1], "input_ids": [1, 2], "chosen_ids": [2], "rejected_ids": [3]}], r"got also \['input_ids'\]"),
+    ([{"prompt_ids": [1], "response_ids": [[2], [3]], "chosen_ids": [2]}], r"got also \['chosen_ids'\]"),
+    ([{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3], "labels": [1, 2]}], r"got also \['labels'\]"),
+    # One response count per batch: [samples, k] log-probs have one k.
+    ([{"prompt_ids": [1], "response_ids": [[2], [3]]}, {"prompt_ids": [1], "response_ids": [[2], [3], [4]]}],
+     r"examples\[1\]: expected 2 responses like examples\[0\] \(one response count per batch\), got 3"),
 ])
 def test_bad_examples_are_named(examples, message):
     from fm_parallel.integrations.collator import FlashMaskCollator
@@ -111,3 +174,16 @@ def test_bad_examples_are_named(examples, message):
         FlashMaskCollator(seq_len=64)(examples)
     with pytest.raises(ValueError, match="seq_len: expected None or an int >= 2"):
         FlashMaskCollator(seq_len=0)
+
+
+def test_ids_past_the_vocabulary_are_named_when_it_is_known():
+    from fm_parallel.integrations.collator import FlashMaskCollator
+
+    collator = FlashMaskCollator(vocab_size=128)
+    assert collator([{"input_ids": [0, 127]}])["input_ids"].tolist() == [[0, 127]]
+    with pytest.raises(ValueError, match=r"\['response_ids'\]\[0\]: expected token ids in \[0, 128\), got 128 at index 1"):
+        collator([{"prompt_ids": [1], "response_ids": [[2, 128], [3]]}])
+    with pytest.raises(ValueError, match=r"pad_token_id: expected an int in \[0, 128\), got 128"):
+        FlashMaskCollator(pad_token_id=128, vocab_size=128)
+    with pytest.raises(ValueError, match="vocab_size: expected None or an int >= 1, got 0"):
+        FlashMaskCollator(vocab_size=0)

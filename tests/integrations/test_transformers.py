@@ -133,3 +133,46 @@ def test_the_default_mask_is_built_once_per_length_and_knows_it_is_causal():
     a = _default_mask(48, True, torch.device("cpu"))
     assert a is _default_mask(48, True, torch.device("cpu")) and a.causal_documents() == (48,)
     assert _default_mask(48, False, torch.device("cpu")).causal_documents() is None
+
+
+def test_raw_bounds_get_flashmask_attentions_checks_once_per_forward(monkeypatch):
+    """``model(ids, fms=..., fme=...)``: the caller's bounds are checked like ``flashmask_attention``'s
+    (before: AttributeError, silently ignored, or computed on garbage; issue 35.2), once per forward."""
+    from fm_parallel import masks
+    from fm_parallel.integrations import transformers as fm_hf
+    from fm_parallel.masks import flashmask
+
+    model = tiny_llama(fm_hf.register()).eval()
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    mask = masks.document([15, 25])
+    fms, fme = mask.fms.clone(), mask.fme.clone()
+    calls = []
+    real = flashmask._validate
+    monkeypatch.setattr(flashmask, "_validate", lambda *a: (calls.append(1), real(*a))[1])
+    with torch.no_grad():
+        got = model(ids, fms=fms, fme=fme).logits
+        assert len(calls) == 1  # two layers, one check
+        torch.testing.assert_close(got, model(ids, flashmask=mask).logits, rtol=0, atol=0)
+
+        def bad(**kw):
+            return model(ids, **kw)
+
+        two = torch.cat([fms, fms], -1)  # [1, 1, 40, 2]: the same interval twice
+        wide = fme.clone()
+        wide[0, 0, 3] = 40
+        neg = fms.clone()
+        neg[0, 0, 5] = -1
+        for kw, message in [
+            (dict(fms=fms), "fms, fme: expected both or neither, got only fms"),
+            (dict(fme=fme), "fms, fme: expected both or neither, got only fme"),
+            (dict(fms=two, fme=torch.cat([fme, fme], -1)), "fms/fme: expected the non-empty intervals of each column sorted and disjoint"),
+            (dict(fms=fms, fme=wide), r"fme: expected rows < num_rows = 40 \(bounds are inclusive\), got fme\[0, 0, 3, 0\] = 40"),
+            (dict(fms=neg, fme=fme), r"fms: expected rows >= 0, got fms\[0, 0, 5, 0\] = -1"),
+            (dict(fms=fms[:, :, :30], fme=fme[:, :, :30]), "fms: expected 40 key columns .*, got 30"),
+            (dict(fms=fms.float(), fme=fme), "fms: expected an integer dtype"),
+            (dict(fms=fms.tolist(), fme=fme), "fms: expected an integer torch.Tensor"),
+            (dict(flashmask=mask.to_dense()), "flashmask: expected a FlashMask .*, got Tensor"),
+            (dict(flashmask=mask, fms=fms, fme=fme), "flashmask: expected a FlashMask or fms/fme, got both"),
+        ]:
+            with pytest.raises(ValueError, match=message):
+                bad(**kw)
