@@ -279,6 +279,8 @@ def _misnamed_arguments():
         ("bool tensor prefix", lambda: masks.prefix_lm(4, torch.tensor(True)), r"prefix_len: expected an int >= 0, got tensor\(True\)"),
         ("bool tensor lengths", lambda: masks.document(torch.tensor([True, True])), r"lengths: expected a 1-D integer tensor, got shape \(2,\) torch.bool"),
         ("bool doc_ids", lambda: masks.document(doc_ids=torch.tensor([True, True, False])), r"doc_ids: expected a non-empty \[N\] or \[B, N\] integer tensor, got \(3,\) torch.bool"),
+        ("flex q_heads 0", lambda: masks.to_flex_mask_mod(two_heads, q_heads=0), "q_heads: expected an int >= 1, got 0"),
+        ("flex block_size bool", lambda: masks.to_block_mask(masks.causal(4), block_size=True), "block_size: expected an int >= 1, got True"),
         ("document causal str", lambda: masks.document([2, 2], causal="x"), r"causal: expected a bool \(True or False\), got 'x'"),
     ]
 

@@ -156,6 +156,10 @@ def to_flex_mask_mod(mask: FlashMask, q_heads: int | None = None):
     Batch and head indices broadcast when the mask has ``B = 1`` or ``Hm = 1``. With ``Hm = H_kv < H_q``
     pass ``q_heads`` so that query head ``h`` reads mask head ``h // (H_q // Hm)``.
     """
+    if not isinstance(mask, FlashMask):
+        raise ValueError(f"mask: expected a FlashMask, got {type(mask).__name__}")
+    if q_heads is not None:
+        q_heads = check_int("q_heads", q_heads, low=1)
     fms, fme = mask.fms, mask.fme
     b_mul = 1 if mask.batch > 1 else 0
     h_div = 1
@@ -180,6 +184,9 @@ def to_block_mask(mask: FlashMask, num_heads: int | None = None, block_size: int
     """A FlexAttention ``BlockMask`` built from :func:`to_flex_mask_mod` (``Q_LEN = num_rows``)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    block_size = check_int("block_size", block_size, low=1)
+    if num_heads is not None:
+        num_heads = check_int("num_heads", num_heads, low=1)
     heads = None if mask.heads == 1 else (num_heads or mask.heads)
     batch = None if mask.batch == 1 else mask.batch
     return create_block_mask(
