@@ -8,16 +8,20 @@ forwarded through ranks that would not use it.
 
 from __future__ import annotations
 
+import numbers
 import os
+import struct
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from fm_parallel import backends
 from fm_parallel.distributed.sharding import ShardPlan
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["RingComm", "RankFailure", "check_agreement", "check_cp_inputs", "dtype_code", "device_code", "wait_with_deadline"]
+__all__ = ["RingComm", "RankFailure", "check_agreement", "check_cp_inputs", "dtype_code", "device_code", "scale_code",
+           "wait_with_deadline"]
 
 
 class RingComm:
@@ -114,7 +118,12 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.fl
            torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "meta", "hpu", "mtia", "privateuseone")
 _MESSAGE_BYTES = 1024
-AGREEMENT_TIMEOUT_S = float(os.environ.get("FM_AGREEMENT_TIMEOUT_S", "600"))
+# How long a rank waits for its peers at an agreement or a gloo transfer before a RankFailure. Every
+# attention call agrees, so this bounds what a user waits when a peer died, stopped or went its own
+# way: a minute, not the ten of torch's default. A peer that is merely slower (a first-call kernel
+# compilation, a checkpoint written by one rank between steps) must arrive within it;
+# FM_AGREEMENT_TIMEOUT_S raises it for jobs where that takes longer.
+AGREEMENT_TIMEOUT_S = float(os.environ.get("FM_AGREEMENT_TIMEOUT_S", "60"))
 
 
 class RankFailure(RuntimeError):
@@ -130,7 +139,18 @@ def device_code(device) -> int:
     return _DEVICE_TYPES.index(kind) + 1 if kind in _DEVICE_TYPES else 0
 
 
+def scale_code(scale) -> int:
+    """``scale`` as the int64 of its float64 bits (None, the default ``1 / sqrt(D)``: -1, a NaN's bits)."""
+    return -1 if scale is None else struct.unpack("<q", struct.pack("<d", float(scale)))[0]
+
+
 def _shown(name: str, code: int) -> str:
+    if name == "impl":
+        return backends.names()[code - 1] if 0 < code <= len(backends.names()) else "?"
+    if name == "scale":
+        return "default" if code == -1 else repr(struct.unpack("<d", struct.pack("<q", code))[0])
+    if name == "gradients":
+        return "needed" if code else "none"
     if name.endswith("dtype"):
         return str(_DTYPES[code - 1]).replace("torch.", "") if 0 < code <= len(_DTYPES) else "?"
     if name.endswith("device type"):
@@ -140,7 +160,7 @@ def _shown(name: str, code: int) -> str:
 
 def _gather(row: torch.Tensor, group, timeout_s: float) -> torch.Tensor:
     """All-gather one small tensor with a deadline: ``[world, *row.shape]`` on the CPU."""
-    if dist.get_backend(group) == "nccl":
+    if not _host_capable(group):  # an NCCL-only group moves device memory (a device round trip)
         row = row.cuda()
     out = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
     try:
@@ -149,6 +169,27 @@ def _gather(row: torch.Tensor, group, timeout_s: float) -> torch.Tensor:
         raise RankFailure(f"ranks' agreement check: a peer closed its connection (a rank died): {str(e)[:300]}") from None
     wait_with_deadline(works, "ranks' agreement check", timeout_s)
     return torch.stack(out).cpu()
+
+
+_HOST_CAPABLE: dict = {}
+
+
+def _host_capable(group) -> bool:
+    """Whether ``group`` moves host tensors: gloo, or a group made with a CPU backend beside NCCL
+    (``init_process_group("cpu:gloo,cuda:nccl")``), where the per-call agreement then needs no
+    device synchronisation."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    key = (id(pg), dist.get_backend(group))
+    if key not in _HOST_CAPABLE:
+        if key[1] == "gloo":
+            _HOST_CAPABLE[key] = True
+        else:
+            try:
+                pg._get_backend(torch.device("cpu"))
+                _HOST_CAPABLE[key] = True
+            except (RuntimeError, AttributeError):
+                _HOST_CAPABLE[key] = False
+    return _HOST_CAPABLE[key]
 
 
 def _encode(message: str) -> torch.Tensor:
@@ -188,7 +229,7 @@ def check_agreement(values: list[int], names: list[str], group=None, *, problem:
         problem: this rank's own check failed with this message; it still takes part, so its peers
             raise the same error instead of blocking in a collective it never joins.
         groups: compare over several groups in turn (hybrid: Ulysses then ring), carrying a failure on.
-        timeout_s: deadline for a peer to arrive (default ``FM_AGREEMENT_TIMEOUT_S``, 600 s); a dead
+        timeout_s: deadline for a peer to arrive (default ``FM_AGREEMENT_TIMEOUT_S``, 60 s); a dead
             or absent peer raises :class:`RankFailure` instead of a hang.
     """
     timeout_s = AGREEMENT_TIMEOUT_S if timeout_s is None else timeout_s
@@ -232,27 +273,43 @@ def _local_problem(q, k, v, mask, plan, world) -> str | None:
 
 
 def check_cp_inputs(q, k, v, mask, plan, group, *, groups: list | None = None, world: int | None = None,
-                    problem: str | None = None) -> tuple[int, int]:
-    """The checks every context-parallel attention call makes; returns ``(world, rank)`` of the group.
+                    problem: str | None = None, impl: str | None = "auto", chunked: bool = False,
+                    scale: float | None = None) -> tuple[int, int, str | None]:
+    """The checks every context-parallel attention call makes, on every call; returns ``(world, rank,
+    backend name)``.
 
-    Every rank runs its own checks, then all ranks agree (one all_gather) on shapes, dtype, device
-    type, the mask (a cryptographic digest of its bounds, cached per mask) and the plan; a rank whose
-    own check failed still joins, so the same ValueError is raised on every rank instead of a hang.
-    ``groups``: agree over these groups in turn instead of ``group`` alone, with ``world`` the ranks
-    the plan spans (hybrid: Ulysses then ring groups, R x U ranks). ``problem``: a failure the caller
-    found itself, raised on every rank like the others.
+    Every rank runs its own checks and resolves ``impl`` (the one resolver, :mod:`fm_parallel.backends`,
+    ``chunked`` for the ring), then all ranks agree in one small all-gather of a few integers on
+    everything that makes their calls meet: the shapes, dtype, device type, the kernel, the scale,
+    whether a backward will follow, the mask (a cryptographic digest of its bounds, cached per mask)
+    and the plan. A rank whose own check failed still joins, so the same ValueError is raised on every
+    rank instead of a hang; and since every call agrees, a rank that changes any of these at a later
+    layer, alone, is caught there too. ``groups``: agree over these groups in turn instead of ``group``
+    alone, with ``world`` the ranks the plan spans (hybrid: Ulysses then ring groups, R x U ranks).
+    ``problem``: a failure the caller found itself, raised on every rank like the others.
     """
     if not dist.is_initialized():
         raise ValueError("group: expected an initialised torch.distributed process group, got none")
     rank = dist.get_rank(group)
     world = dist.get_world_size(group) if world is None else world
     problem = problem or _local_problem(q, k, v, mask, plan, world)
+    name = None
+    if problem is None and scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        problem = f"scale: expected a float or None, got {scale!r}"
+    if problem is None:
+        try:  # before any collective: an unknown or unavailable name on one rank fails on all of them
+            name = backends.resolve(impl, q.device, q.dtype, q.shape[-1], v.shape[-1], chunked=chunked)
+        except ValueError as e:
+            problem = str(e)
     names = ["q length", "k length", "batch", "query heads", "kv heads", "head dim", "value dim", "plan tokens",
-             "dtype", "device type", "mask", "plan"]
+             "dtype", "device type", "impl", "scale", "gradients", "mask", "plan"]
     values = [0] * len(names)
     if problem is None:
         b, hq, n_local, d = q.shape
+        # A backward follows on this rank: its transfers (ring) or all-to-alls (Ulysses) need every peer's.
+        grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         values = [n_local, k.shape[2], b, q.shape[1], k.shape[1], d, v.shape[-1], plan.num_tokens,
-                  dtype_code(q.dtype), device_code(q.device), mask.digest(), plan.digest()]
+                  dtype_code(q.dtype), device_code(q.device), backends.names().index(name) + 1, scale_code(scale),
+                  int(grads), mask.digest(), plan.digest()]
     check_agreement(values, names, group, problem=problem, groups=groups)
-    return world, rank
+    return world, rank, name

@@ -9,7 +9,7 @@ import torch
 
 from fm_parallel import backends
 from fm_parallel.distributed.hybrid import hybrid_attention
-from fm_parallel.distributed.prepared import PreparedMask, for_call
+from fm_parallel.distributed.prepared import PreparedMask, fail_together, local_prepare
 from fm_parallel.distributed.ring import RingStats, ring_attention
 from fm_parallel.distributed.sharding import ShardPlan
 from fm_parallel.distributed.ulysses import ulysses_attention
@@ -35,8 +35,10 @@ class ContextParallel:
             :mod:`fm_parallel.distributed.graphs`); ring mode on CUDA tensors over NCCL only.
 
     Per step the mask is prepared once (:class:`PreparedMask`): the first layer's call with a new
-    FlashMask object makes it (one agreement across ranks), every later layer, forward and backward,
-    reuses it; pass :meth:`prepare`'s result instead to choose the moment yourself.
+    FlashMask object makes it, every later layer, forward and backward, reuses it; pass
+    :meth:`prepare`'s result instead to choose the moment yourself. Every call agrees across ranks
+    (one small all-gather): a rank whose call differs from its peers' (shapes, dtype, kernel, plan,
+    mask) raises the same ValueError as they do, at whatever layer.
     """
 
     mode: str
@@ -95,10 +97,13 @@ class ContextParallel:
             if known is not None and known[0]() is mask and (mask.fms._version, mask.fme._version) == known[1:]:
                 return self._last[1]
         mesh = self.mesh if self.mode == "hybrid" else None
-        if isinstance(mask, FlashMask) and (mask.device != q.device or self.cuda_graphs):
-            # the loader's host mask, moved once (or a mask for CUDA graphs, which prepare() sets up)
-            return self.prepare(mask, device=q.device)
-        prepared, _, _ = for_call(q, k, v, mask, self.plan, self.group, mesh=mesh)
+        # Prepared here on this rank alone (the loader's host mask moved to q's device once, CUDA graphs
+        # set up), no collective: the attention call's agreement then checks it against the peers'. A
+        # rank that re-prepares (its mask was edited, or is new to it alone) and peers that reuse
+        # theirs thus meet in that one agreement instead of in different collectives.
+        prepared, problem = local_prepare(q, mask, self.plan, self.group, mesh=mesh, cuda_graphs=self.cuda_graphs)
+        if problem is not None:
+            fail_together(q, k, v, mask, self.plan, self.group, mesh=mesh, problem=problem)
         self._remember(prepared)
         return prepared
 

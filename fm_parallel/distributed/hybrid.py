@@ -56,10 +56,10 @@ def hybrid_attention(
     if names is None or tuple(names) != ("ring", "ulysses"):
         raise ValueError(f"mesh: expected a 2-D DeviceMesh with dims ('ring', 'ulysses'), got dims {names}")
     r, u = mesh["ring"].size(), mesh["ulysses"].size()
-    # One agreement over the whole grid (Ulysses then ring groups) per step and shape signature, before
+    # One agreement over the whole grid (Ulysses then ring groups) on every call, before
     # the first all-to-all: a rank that disagrees or fails a check raises the same error on every rank
     # of the grid instead of leaving them in a collective.
-    prepared, _, _ = for_call(q, k, v, mask, plan, mesh=mesh)
+    prepared, _, _, name = for_call(q, k, v, mask, plan, mesh=mesh, impl=impl, chunked=True, scale=scale)
     ring_group, uly_group = mesh.get_group("ring"), mesh.get_group("ulysses")
     g, uly_rank = mesh.get_local_rank("ring"), mesh.get_local_rank("ulysses")
     hq, hkv = q.shape[1], k.shape[1]
@@ -77,5 +77,5 @@ def hybrid_attention(
 
     ring_prepared, order, inverse = prepared.derived(("hybrid", hq, hkv, repeat, q.device), inner)
     qh, kh, vh = (seq_to_heads(t, uly_group).index_select(2, order) for t in (q, k, v))
-    out = _ring(qh, kh, vh, ring_prepared, ring_group, scale, impl, stats)
+    out = _ring(qh, kh, vh, ring_prepared, ring_group, scale, name, stats)
     return heads_to_seq(out.index_select(2, inverse), uly_group)

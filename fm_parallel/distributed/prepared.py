@@ -4,9 +4,10 @@ A training step runs attention once per layer, forward and backward, all under t
 plan. Everything derived from them is made here once per step, where the row is sharded (after the
 data loader), and every layer reuses it:
 
-* the agreement: the mask's and the plan's digests (BLAKE2b of the bounds and positions) and the
-  call's shapes / dtype / device are compared across ranks once per step and shape signature (one
-  small all-gather), not per layer;
+* the digests the agreement compares (BLAKE2b of the bounds and positions, cached). The agreement
+  itself runs on every call (one small all-gather of a few integers: shapes, dtype, device type,
+  kernel, scale, whether a backward follows, the two digests), so a rank that alone changes any of
+  them at a later layer fails with its peers, never leaves them waiting;
 * the ring's exact pair table and what each rank needs from each other rank: whether, and which
   window of the other rank's keys (the first to the last key any of its queries sees). Only that
   window travels, is computed on and has gradients returned: a neighbour's chunk that one packed
@@ -25,7 +26,7 @@ data loader), and every layer reuses it:
 
 ``ring_attention`` / ``ulysses_attention`` / ``hybrid_attention`` take a PreparedMask wherever they
 take a FlashMask; given a bare FlashMask they prepare one per call (correct, and what a one-off
-call wants, but a collective and the plan builds per call).
+call wants, but the plan builds per call).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from fm_parallel.distributed.graphs import LayerGraphs
 from fm_parallel.distributed.sharding import ShardPlan, pair_table_and_key_windows
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["PreparedMask", "prepare", "for_call", "local_rows"]
+__all__ = ["PreparedMask", "prepare", "for_call", "local_prepare", "fail_together", "local_rows"]
 
 
 class PreparedMask:
@@ -55,7 +56,9 @@ class PreparedMask:
             see lie in ``[c0, c1)`` (``(0, 0)`` where none): :meth:`key_window`, :meth:`sent_window`.
         rows: this rank's global query rows, ``[N / P]`` int32 on the device.
         local_rows: ``arange(N / P)`` int32 on the device, the rows the column masks are written in.
-        counters: how often derived data was built (``columns``, ``agreements``), for tests and benchmarks.
+        counters: how often derived data was built (``columns``), a new call signature was agreed
+            (``agreements``) and a call was checked across ranks (``checks``: every call), for tests
+            and benchmarks.
         graphs: the step's :class:`~fm_parallel.distributed.graphs.LayerGraphs` (the ring's layers
             captured once and replayed) when prepared with ``cuda_graphs=True``, else None.
     """
@@ -85,7 +88,7 @@ class PreparedMask:
         self.spans = [[tuple(w) for w in row] for row in spans.tolist()]
         self.rows = plan.positions[rank].to(device=device, dtype=torch.int32)
         self.local_rows = torch.arange(plan.local_tokens, device=device, dtype=torch.int32)
-        self.counters = {"columns": 0, "agreements": 0}
+        self.counters = {"columns": 0, "agreements": 0, "checks": 0}
         self._versions = self._bounds_versions()
         self._columns: dict[int, FlashMask] = {}
         self._agreed: dict[tuple, tuple[int, int]] = {}
@@ -159,38 +162,41 @@ class PreparedMask:
         return self._derived[key]
 
     # ------------------------------------------------------------- agreement
-    def agree(self, q, k, v, group, *, plan=None, groups: list | None = None) -> tuple[int, int]:
-        """All ranks agree on the shapes, dtype, device type, mask and plan, once per step and shape
-        signature; later layers with the same signature skip the collective. Returns ``(world, rank)``.
+    def agree(self, q, k, v, group, *, plan=None, groups: list | None = None, impl: str | None = "auto",
+              chunked: bool = False, scale: float | None = None) -> tuple[int, int, str]:
+        """All ranks agree on this call: its shapes, dtype, device type, kernel (``impl`` resolved here,
+        ``chunked`` for the ring), scale, whether a backward follows, the mask and the plan. Every call
+        (every layer), in one small all-gather of a few integers, so that a rank that alone changes
+        any of them at a later layer fails with its peers instead of leaving them in a collective it
+        never joins. Returns ``(world, rank, backend name)``.
 
-        A call whose ``plan`` or group does not match what the mask was prepared with fails on every
-        rank (it joins the agreement with its problem)."""
+        Checked here first, on this rank alone, and raised on every rank through the agreement: an
+        in-place edit of the mask since it was prepared, a ``plan`` that is not the one the mask was
+        prepared with, a group in which this rank is another rank than the mask was prepared for."""
+        problem = None
         if self._bounds_versions() != self._versions:
             # Everything derived (pair table, column masks, windows, plans) describes the old bounds:
             # running on would be silently wrong.
-            raise ValueError("mask: changed in place after it was prepared (its bounds' version moved); "
-                             "call prepare() again after editing a mask")
+            problem = ("mask: changed in place after it was prepared (its bounds' version moved); "
+                       "call prepare() again after editing a mask")
+        elif plan is not None and plan is not self.plan and (not isinstance(plan, ShardPlan) or plan.digest() != self.plan.digest()):
+            problem = "plan: expected the plan the mask was prepared with (or None), got a different plan"
+        elif groups is None and dist.is_initialized() and dist.get_rank(group) != self.rank:
+            problem = (f"group: expected the group the mask was prepared for (rank {self.rank} there), got rank "
+                       f"{dist.get_rank(group)} in this group")
+        world = self.world if groups is not None else None
+        result = check_cp_inputs(q, k, v, self.mask, self.plan, group, groups=groups, world=world, problem=problem,
+                                 impl=impl, chunked=chunked, scale=scale)
         key = _agreement_key(q, k, v, group, groups)
-        if key not in self._agreed:
-            problem = None
-            if plan is not None and plan is not self.plan and (not isinstance(plan, ShardPlan) or plan.digest() != self.plan.digest()):
-                problem = "plan: expected the plan the mask was prepared with (or None), got a different plan"
-            elif groups is None and dist.get_rank(group) != self.rank:
-                problem = (f"group: expected the group the mask was prepared for (rank {self.rank} there), got rank "
-                           f"{dist.get_rank(group)} in this group")
-            world = self.world if groups is not None else None
-            self._agreed[key] = check_cp_inputs(q, k, v, self.mask, self.plan, group, groups=groups, world=world,
-                                                problem=problem)
+        if key not in self._agreed:  # a new shape signature this step
+            self._agreed[key] = result[:2]
             self.counters["agreements"] += 1
-        return self._agreed[key]
+        self.counters["checks"] += 1
+        return result
 
     def _bounds_versions(self) -> tuple[int, ...]:
         masks = (self.mask,) if self.host_mask is None else (self.mask, self.host_mask)
         return tuple(t._version for m in masks for t in (m.fms, m.fme))
-
-    def agreed(self, q, k, v, group, result: tuple[int, int], *, groups: list | None = None) -> None:
-        """Record an agreement made elsewhere for this signature (a bare-mask call that checked first)."""
-        self._agreed[_agreement_key(q, k, v, group, groups)] = result
 
 
 def _agreement_key(q, k, v, group, groups) -> tuple:
@@ -321,16 +327,43 @@ def _plan_rank(group, mesh) -> int:
     return dist.get_rank(group)
 
 
-def for_call(q, k, v, mask, plan, group=None, *, mesh=None) -> tuple[PreparedMask, int, int]:
-    """The prepared mask of one attention call and ``(world, rank)``: ``mask`` itself when prepared
-    (agreed once per signature), else one prepared for this call after the full per-call agreement."""
+def local_prepare(q, mask, plan, group=None, *, mesh=None, cuda_graphs: bool = False
+                  ) -> tuple[PreparedMask | None, str | None]:
+    """``(prepared, None)``, or ``(None, why)`` when ``mask`` / ``plan`` cannot be prepared here: on this
+    rank alone, no collective. The call that uses it agrees (:meth:`PreparedMask.agree` checks the mask
+    and plan digests on every call), and a ``why`` must reach every rank through :func:`fail_together`."""
+    device = q.device if isinstance(q, torch.Tensor) else None
+    try:
+        return _prepare(mask, plan, group, mesh=mesh, device=device, check=False, cuda_graphs=cuda_graphs), None
+    except ValueError as e:
+        if not dist.is_initialized():
+            raise
+        return None, str(e)
+
+
+def fail_together(q, k, v, mask, plan, group=None, *, mesh=None, problem: str) -> None:
+    """Join this call's agreement with ``problem``: every rank raises the same ValueError (the peers
+    are in the same all-gather through their own :meth:`PreparedMask.agree`)."""
+    groups = _mesh_groups(mesh)
+    check_cp_inputs(q, k, v, mask, plan, None if mesh is not None else group, groups=groups,
+                    world=mesh.size() if mesh is not None else None, problem=problem)
+    raise AssertionError("unreachable: the agreement raises the problem")
+
+
+def for_call(q, k, v, mask, plan, group=None, *, mesh=None, impl: str | None = "auto", chunked: bool = False,
+             scale: float | None = None) -> tuple[PreparedMask, int, int, str]:
+    """The prepared mask of one attention call, ``(world, rank)`` and the resolved kernel name, after
+    this call's agreement (every call: :meth:`PreparedMask.agree`). ``mask`` itself when prepared,
+    else one prepared here for this call (on this rank alone; the agreement then checks it against
+    the peers' before anything else runs). Exactly one agreement per call on every path, so ranks
+    whose paths differ (one re-prepares an edited mask, the others reuse theirs) still meet."""
     groups = _mesh_groups(mesh)
     agree_group = None if mesh is not None else group
-    if isinstance(mask, PreparedMask):
-        world, rank = mask.agree(q, k, v, agree_group, plan=plan, groups=groups)
-        return mask, world, rank
-    world = mesh.size() if mesh is not None else None
-    result = check_cp_inputs(q, k, v, mask, plan, agree_group, groups=groups, world=world)
-    prepared = _prepare(mask, plan, group, mesh=mesh, device=q.device, check=False)
-    prepared.agreed(q, k, v, agree_group, result, groups=groups)
-    return prepared, *result
+    prepared = mask
+    if not isinstance(mask, PreparedMask):
+        prepared, problem = local_prepare(q, mask, plan, group, mesh=mesh)
+        if problem is not None:
+            fail_together(q, k, v, mask, plan, group, mesh=mesh, problem=problem)
+    world, rank, name = prepared.agree(q, k, v, agree_group, plan=plan, groups=groups, impl=impl, chunked=chunked,
+                                   scale=scale)
+    return prepared, world, rank, name

@@ -354,19 +354,21 @@ def ring_attention(
     Returns:
         ``[B, Hq, N / P, Dv]``: this rank's rows of the attention output. Differentiable.
     Raises:
-        ValueError: bad shapes, an unknown or unavailable impl, or ranks that disagree on shapes,
-            plan or mask (raised on every rank).
+        ValueError: bad shapes, an unknown or unavailable impl, an in-place edit of a prepared mask,
+            another plan than the prepared one, or ranks that disagree on shapes, dtype, impl, scale,
+            gradients, plan or mask, at any layer (raised on every rank).
     """
-    prepared, _, _ = for_call(q, k, v, mask, plan, group)
-    return _ring(q, k, v, prepared, group, scale, impl, stats)
+    prepared, _, _, name = for_call(q, k, v, mask, plan, group, impl=impl, chunked=True, scale=scale)
+    return _ring(q, k, v, prepared, group, scale, name, stats)
 
 
-def _ring(q, k, v, prepared: PreparedMask, group, scale, impl, stats):
-    """The ring on an agreed prepared mask (hybrid calls it after its own agreement)."""
+def _ring(q, k, v, prepared: PreparedMask, group, scale, name: str, stats):
+    """The ring on an agreed prepared mask, with the kernel the agreement resolved (hybrid calls it
+    after its own agreement)."""
     d = q.shape[-1]
     if stats is not None:
         stats.visible_pairs += int(prepared.table[prepared.rank].sum())
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    backend = backends.get(backends.resolve(impl, q.device, q.dtype, d, v.shape[-1], chunked=True))
+    backend = backends.get(name)
     ring = _Ring(prepared, prepared.comm(group), scale, backend, stats)
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring)

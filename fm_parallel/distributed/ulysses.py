@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fm_parallel import backends
 from fm_parallel.attention import flashmask_attention
 from fm_parallel.distributed import comm
 from fm_parallel.distributed.comm import wait_with_deadline
@@ -145,9 +144,12 @@ def ulysses_attention(
             ``"cute"``, ``"triton"``, ``"torch"``, ``"dense"``).
     Returns:
         ``[B, Hq, N / P, Dv]``, this rank's rows. Differentiable.
+    Raises:
+        ValueError: as :func:`~fm_parallel.distributed.ring_attention`, on every rank.
     """
-    prepared, world, rank = for_call(q, k, v, mask, plan, group)
-    backends.resolve(impl, q.device, q.dtype, q.shape[-1], v.shape[-1])  # a bad name fails before the all-to-all
+    # Every call agrees (the kernel name resolved inside, before the all-to-all): a rank that alone
+    # brings other shapes, another kernel or another plan fails on every rank.
+    prepared, world, rank, impl = for_call(q, k, v, mask, plan, group, impl=impl, scale=scale)
     hq, hkv = q.shape[1], k.shape[1]
     repeat = ulysses_heads(hq, hkv, world)
     if repeat > 1:
