@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -76,6 +77,7 @@ def convert_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
     """Export the adapter of a trainer checkpoint (default: the latest complete one) in peft format;
     returns the folder written (default ``<checkpoint>/adapter``). One process, on the CPU."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: `except Exception` misses it
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     from fm_parallel.trainer import runs
@@ -83,7 +85,7 @@ def convert_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
     from fm_parallel.trainer.loop import _build_model, _tokenizer
 
     run_dir = Path(run_dir)
-    saved = runs.saved_config(run_dir)
+    saved = runs.saved_config(run_dir, "run_dir", "exported")
     if saved is None:
         raise ConfigError(f"run_dir: expected a trainer run directory with {runs.RUN_FILE}, got {run_dir}")
     cfg = Config()
@@ -95,14 +97,22 @@ def convert_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
     path = Path(checkpoint) if checkpoint else runs.latest_checkpoint(run_dir)
     if path is None or not (path / "complete").exists():
         raise ConfigError(f"checkpoint: expected a complete checkpoint, got {path or 'none under ' + str(run_dir / 'checkpoints')}")
-    if (path / runs.CHECKSUMS).exists():
-        runs.verify_checkpoint(path)
+    if (path / runs.CHECKSUMS).exists():  # an older run's checkpoint has none: dcp's own read errors are caught below
+        runs.verify_checkpoint(path, argument="checkpoint")
+    if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
+        raise ConfigError(f"model.path: the run fine-tuned {cfg.model.path!r} ({run_dir / runs.RUN_FILE}), which holds no "
+                          "config.json now; expected the base model's local Hugging Face folder there")
     tokenizer = _tokenizer(cfg)
     cfg.model.activation_checkpointing, cfg.model.offload_layers, cfg.model.tile_chunk = False, 0, 0
     model = _build_model(cfg, tokenizer.vocab_size, torch.device("cpu"))
     options = StateDictOptions(ignore_frozen_params=True)
     state = {"model": get_model_state_dict(model, options=options)}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    try:
+        # The metadata read first: a missing or truncated .metadata makes dcp.load log two tracebacks before it fails.
+        dcp.FileSystemReader(str(path)).read_metadata()
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a truncated shard, a missing or damaged .metadata
+        raise runs.load_failure(path, e, "checkpoint") from None
     set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
     step = int(path.name.split("_")[-1]) if path.name.startswith("step_") else -1
     return export_adapter(model, Path(out) if out else path / "adapter", cfg, tokenizer, step)
@@ -114,10 +124,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint", default=None, help="a checkpoint folder (default: the latest complete one)")
     parser.add_argument("--out", default=None, help="where to write the adapter (default: <checkpoint>/adapter)")
     args = parser.parse_args(argv)
+    # One process by design (dcp says it assumes so), and transformers' own deprecation inside peft: not the user's.
+    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*is deprecated")
+    warnings.filterwarnings("ignore", message=r"torch.distributed is disabled, unavailable or uninitialized")
     try:
         path = convert_checkpoint(args.run_dir, args.checkpoint, args.out)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except OSError as e:  # the adapter could not be written (--out not writable, a full disk)
+        print(f"error: --out: cannot write the adapter ({e})", file=sys.stderr)
         raise SystemExit(2) from None
     print(f"adapter: {path}")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from fm_parallel.trainer.config import Config, ConfigError
 
 __all__ = ["RUN_FILE", "saved_config", "check_run_dir", "clear_run_dir", "config_differences", "write_checksums",
-           "verify_checkpoint", "latest_checkpoint", "CheckpointError", "StopRequested"]
+           "verify_checkpoint", "latest_checkpoint", "load_failure", "CheckpointError", "StopRequested"]
 
 RUN_FILE = "run.json"
 # What a run writes at the top of its directory (older runs wrote config.json).
@@ -46,15 +46,21 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be resumed from (damaged, incomplete, inconsistent)."""
 
 
-def saved_config(out: Path) -> dict | None:
-    """The configuration a run directory was made with (``run.json``, or an older run's ``config.json``)."""
+def saved_config(out: Path, argument: str = "output.dir", use: str = "resumed") -> dict | None:
+    """The configuration a run directory was made with (``run.json``, or an older run's ``config.json``).
+
+    ``argument`` / ``use``: what the error names (the trainer's ``output.dir`` that cannot be resumed,
+    the export command's ``run_dir`` that cannot be exported)."""
     for name in (RUN_FILE, "config.json"):
         path = out / name
         if path.exists():
             try:
-                return json.loads(path.read_text())
+                saved = json.loads(path.read_text())
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ConfigError(f"output.dir: {path} is damaged ({e}); it cannot be resumed") from None
+                raise ConfigError(f"{argument}: {path} is damaged ({e}); it cannot be {use}") from None
+            if not isinstance(saved, dict) or not all(isinstance(v, dict) for v in saved.values()):
+                raise ConfigError(f"{argument}: {path} is damaged (expected {{section: {{key: value}}}}); it cannot be {use}")
+            return saved
     return None
 
 
@@ -134,26 +140,28 @@ def write_checksums(path: Path) -> None:
     tmp.replace(path / CHECKSUMS)
 
 
-def verify_checkpoint(path: Path, stop=None) -> None:
-    """Raise :class:`CheckpointError` naming the first file that is missing, extra or damaged."""
+def verify_checkpoint(path: Path, stop=None, argument: str = "--resume") -> None:
+    """Raise :class:`CheckpointError` naming the first file that is missing, extra or damaged.
+
+    ``argument``: what the error names (the trainer's ``--resume``, the export command's ``checkpoint``)."""
     listing = path / CHECKSUMS
     if not listing.exists():
-        raise CheckpointError(f"--resume: {path} has no {CHECKSUMS} (written by an older version or cut short); "
+        raise CheckpointError(f"{argument}: {path} has no {CHECKSUMS} (written by an older version or cut short); "
                               "its bytes cannot be verified. Delete it to resume from an earlier checkpoint")
     try:
         table = json.loads(listing.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"--resume: {listing} is damaged ({e})") from None
+        raise CheckpointError(f"{argument}: {listing} is damaged ({e})") from None
     if not isinstance(table, dict) or not all(isinstance(v, dict) and {"sha256", "bytes"} <= set(v) for v in table.values()):
-        raise CheckpointError(f"--resume: {listing} is damaged (expected {{file: {{sha256, bytes}}}})")
+        raise CheckpointError(f"{argument}: {listing} is damaged (expected {{file: {{sha256, bytes}}}})")
     present = {str(p.relative_to(path)) for p in _files(path)}
     missing = sorted(set(table) - present)
     if missing:
-        raise CheckpointError(f"--resume: {path} is missing {missing[:3]}; delete the checkpoint to resume from an earlier one")
+        raise CheckpointError(f"{argument}: {path} is missing {missing[:3]}; delete the checkpoint to resume from an earlier one")
     for name, entry in table.items():
         file = path / name
         if file.stat().st_size != entry.get("bytes") or _sha256(file, stop) != entry.get("sha256"):
-            raise CheckpointError(f"--resume: {file} does not match its checksum (the checkpoint is damaged); "
+            raise CheckpointError(f"{argument}: {file} does not match its checksum (the checkpoint is damaged); "
                                   f"delete {path} to resume from an earlier checkpoint")
 
 
@@ -162,3 +170,19 @@ def latest_checkpoint(out: Path) -> Path | None:
     root = out / "checkpoints"
     done = sorted(p for p in root.glob("step_*") if (p / "complete").exists()) if root.exists() else []
     return done[-1] if done else None
+
+
+def load_failure(path: Path, error: BaseException, argument: str) -> CheckpointError:
+    """One line for a checkpoint that ``torch.distributed.checkpoint`` could not read: the first rank's
+    underlying error (dcp wraps each rank's error in a ``CheckpointException``, a ``BaseException``
+    whose text is a multi-line traceback), never the stack."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        error = next(iter(failures.values()))[0]
+    lines = str(error).strip().splitlines()
+    cause = type(error).__name__ + (f": {lines[0][:300]}" if lines else "")
+    if isinstance(error, EOFError):  # torch.load's unpickler says nothing more
+        cause += " (a file ends early: truncated)"
+    unverified = "" if (path / CHECKSUMS).exists() else f"; it has no {CHECKSUMS} (an older run), so its files were not verified"
+    return CheckpointError(f"{argument}: {path} cannot be loaded ({cause}){unverified}; the checkpoint is damaged or "
+                           "incomplete: use an earlier one")
