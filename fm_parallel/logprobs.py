@@ -28,10 +28,12 @@ def _check_layout(segment, sample, shape, where: str = "") -> None:
             raise ValueError(f"{where}{name}: expected shape {list(shape)} (one entry per token), got {list(t.shape)}")
 
 
-def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, *, check_vocab: bool = True) -> torch.Tensor:
     """``log p(targets[b, t] | logits[b, t])`` per position, 0 where the target is negative (-100: not
     scored): ``logits [B, n, V]``, ``targets [B, n]`` -> ``[B, n]`` in float32 at least (float64
-    stays float64). The targets are the tokens each position predicts (already shifted)."""
+    stays float64). The targets are the tokens each position predicts (already shifted).
+    ``check_vocab=False`` skips the one host sync that refuses targets ``>= V`` (for a caller that
+    checked its ids once per row, calling this per chunk of a long row)."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or not logits.dtype.is_floating_point:
         raise ValueError(f"logits: expected a float tensor [B, n, V], got "
                          f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
@@ -39,7 +41,7 @@ def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"labels: expected an integer tensor {list(logits.shape[:2])} (the logits' batch and length), got "
                          f"{list(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__}")
     vocab = logits.shape[-1]
-    if targets.numel():
+    if check_vocab and targets.numel():
         # One sync: an id past the vocabulary would be a device-side assert in gather on a GPU.
         high = int(targets.max())
         if high >= vocab:

@@ -187,3 +187,25 @@ def test_ids_past_the_vocabulary_are_named_when_it_is_known():
         FlashMaskCollator(pad_token_id=128, vocab_size=128)
     with pytest.raises(ValueError, match="vocab_size: expected None or an int >= 1, got 0"):
         FlashMaskCollator(vocab_size=0)
+
+
+def test_response_sums_take_a_shards_part_and_refuse_a_smaller_table():
+    """The trainer's form (shifted targets, a context-parallel shard): the table is sized by the row, a
+    shard may lack samples, but a position naming a response or sample outside the table raises
+    (it would have landed in a neighbour's slot)."""
+    from fm_parallel.logprobs import response_sums, token_logps
+
+    segment = torch.tensor([[0, 1, 1, 2, 3, 3, -1]])
+    sample = torch.tensor([[0, 0, 0, 0, 0, 0, -1]])
+    per_token = torch.tensor([[0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 0.0]])
+    scored = segment > 0
+    got = response_sums(per_token, segment, sample, samples=2, responses=3, scored=scored)
+    assert got.tolist() == [[3.0, 4.0, 24.0], [0.0, 0.0, 0.0]]  # sample 1 lives on another shard
+    with pytest.raises(ValueError, match=r"responses: expected at least 3 \(fm_segment holds response 3\), got 2"):
+        response_sums(per_token, segment, sample, samples=1, responses=2, scored=scored)
+    with pytest.raises(ValueError, match=r"samples: expected at least 1 \(fm_sample holds sample 0\), got 0|samples: expected an int >= 1"):
+        response_sums(per_token, segment, sample, samples=0, responses=3, scored=scored)
+    with pytest.raises(ValueError, match="labels: expected scored tokens only inside responses"):
+        response_sums(per_token, segment, sample, samples=1, responses=3, scored=segment >= 0)
+    with pytest.raises(ValueError, match="labels: expected token ids < the logits' vocabulary size 5, got 5"):
+        token_logps(torch.zeros(1, 2, 5), torch.tensor([[5, -100]]))
