@@ -82,7 +82,7 @@ def convert_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
 
     from fm_parallel.trainer import runs
     from fm_parallel.trainer.config import Config, ConfigError
-    from fm_parallel.trainer.loop import _build_model, _tokenizer
+    from fm_parallel.trainer.model import build_model, build_tokenizer
 
     run_dir = Path(run_dir)
     saved = runs.saved_config(run_dir, "run_dir", "exported")
@@ -102,9 +102,9 @@ def convert_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
     if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path: the run fine-tuned {cfg.model.path!r} ({run_dir / runs.RUN_FILE}), which holds no "
                           "config.json now; expected the base model's local Hugging Face folder there")
-    tokenizer = _tokenizer(cfg)
+    tokenizer = build_tokenizer(cfg)
     cfg.model.activation_checkpointing, cfg.model.offload_layers, cfg.model.tile_chunk = False, 0, 0
-    model = _build_model(cfg, tokenizer.vocab_size, torch.device("cpu"))
+    model = build_model(cfg, tokenizer.vocab_size, torch.device("cpu"))
     options = StateDictOptions(ignore_frozen_params=True)
     state = {"model": get_model_state_dict(model, options=options)}
     try:

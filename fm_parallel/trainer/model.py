@@ -1,0 +1,103 @@
+"""The trainer's model: the tokenizer, the peft LoRA model (built from the config or loaded from
+``model.path``, with tiled layers, activation checkpointing and host offload), and its hidden
+states on a batch with FlashMask attention or the SDPA / FlexAttention baselines.
+
+    tokenizer = build_tokenizer(cfg)
+    model = build_model(cfg, tokenizer.vocab_size, device)
+    h = hidden_states(model, batch)          # [1, n, hidden]: n = this rank's tokens
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fm_parallel.trainer.config import Config, ConfigError
+from fm_parallel.trainer.data import load_tokenizer, validate_jsonl
+from fm_parallel.trainer.memory import checkpoint_layers
+from fm_parallel.trainer.tiling import tile_decoder_layers
+
+__all__ = ["build_tokenizer", "build_model", "hidden", "hidden_states", "preflight"]
+
+
+def build_tokenizer(cfg: Config):
+    """The run's tokenizer: ``data.tokenizer`` (a local Hugging Face folder), else the byte tokenizer."""
+    if cfg.data.tokenizer and not Path(cfg.data.tokenizer).is_dir():
+        raise ConfigError(f"data.tokenizer: expected a local Hugging Face tokenizer folder, got {cfg.data.tokenizer!r}")
+    try:
+        return load_tokenizer(cfg.data.tokenizer)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer!r} could not be loaded ({e})") from None
+
+
+def preflight(cfg: Config, tokenizer, stop) -> None:
+    """Checks that need no model: folders exist, the data file is valid (one pass, ``file:line`` named)."""
+    if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
+        raise ConfigError(f"model.path: expected a local Hugging Face model folder with a config.json, got {cfg.model.path!r}")
+    if cfg.data.path:
+        validate_jsonl(cfg.data.path, cfg.data.objective, cfg.data.seq_len, tokenizer, stop, cfg.data.dpo_layout)
+
+
+def build_model(cfg: Config, vocab_size: int, device, save_base=None):
+    """The peft LoRA model. ``save_base(base)``: called with a model built from the config (no
+    ``model.path``) before LoRA is injected, so the run can save its random base weights once and
+    its adapters load on a fresh copy (rank 0 of a new run: ``export.save_base_model``)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from fm_parallel.integrations import transformers as fm_hf
+
+    device = torch.device(device)
+    name = {"flashmask": fm_hf.register(), "sdpa": "sdpa", "flex": "flex_attention"}[cfg.model.attention]
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float64": torch.float64}[cfg.model.dtype]
+    torch.manual_seed(cfg.training.seed)
+    if cfg.model.path:
+        base = AutoModelForCausalLM.from_pretrained(cfg.model.path, attn_implementation=name, torch_dtype=dtype, local_files_only=True)
+    else:
+        m = cfg.model
+        with torch.device(device):  # initialise on the device: an 8B model's CPU init takes minutes
+            base = LlamaForCausalLM(LlamaConfig(
+                vocab_size=vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+                num_hidden_layers=m.layers, num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
+                max_position_embeddings=max(cfg.data.seq_len, 2048), attn_implementation=name,
+            )).to(dtype)
+    base.to(device)
+    if save_base is not None and not cfg.model.path:
+        save_base(base)
+    base.config.use_cache = False
+    if cfg.model.tile_chunk:
+        tile_decoder_layers(base, cfg.model.tile_chunk)  # before checkpointing: the checkpoint wraps the tiled layer
+    policy = None
+    if cfg.model.activation_checkpointing:  # offload_layers is checked against the model's layer count there
+        policy = checkpoint_layers(base, cfg.model.offload_layers)
+    elif cfg.model.offload_layers:
+        raise ConfigError(f"model.offload_layers: expected 0 without activation checkpointing, got {cfg.model.offload_layers}")
+    lora = LoraConfig(r=cfg.model.lora_rank, lora_alpha=cfg.model.lora_alpha,
+                      target_modules=[t.strip() for t in cfg.model.lora_targets.split(",") if t.strip()])
+    model = get_peft_model(base, lora)
+    model.train()
+    model.checkpoint_policy = policy
+    return model
+
+
+def hidden(model, ids, positions, mask, ctx, impl: str) -> torch.Tensor:
+    """The decoder's last hidden states ``[1, n, hidden]`` for ``ids [1, n]``. ``mask``: the row's
+    FlashMask, or under CP (``ctx`` given) its PreparedMask; ``impl``: the kernel without CP."""
+    base = model.get_base_model()
+    attention = base.config._attn_implementation
+    if attention == "sdpa":  # the dense baseline: an N x N boolean mask, as a user without FlashMask would build
+        return base.model(input_ids=ids, position_ids=positions, attention_mask=mask.to_dense()).last_hidden_state
+    if attention == "flex_attention":  # the FlexAttention baseline: a BlockMask made from the same mask
+        from fm_parallel.masks import to_block_mask
+
+        block = to_block_mask(mask, _compile=ids.device.type == "cuda")
+        return base.model(input_ids=ids, position_ids=positions, attention_mask=block).last_hidden_state
+    kernel = {"fm_context": ctx} if ctx is not None else {"fm_impl": impl}  # under CP the context picks it
+    return base.model(input_ids=ids, position_ids=positions, flashmask=mask, **kernel).last_hidden_state
+
+
+def hidden_states(model, batch) -> torch.Tensor:
+    """:func:`hidden` on a :class:`~fm_parallel.trainer.parallel.Batch`."""
+    return hidden(model, batch.ids, batch.positions, batch.mask, batch.ctx, batch.impl)

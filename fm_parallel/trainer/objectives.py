@@ -1,0 +1,118 @@
+"""Training objectives: what rows a run trains on, what its loss of one row is, and what the step's
+loss is normalised by. Adding an objective is one class here and one entry in :data:`OBJECTIVES`.
+
+Losses are sums over this rank's part of a row divided by the step's global :meth:`Objective.denominator`
+(tokens for SFT, samples for DPO, over every row of the step on every data-parallel rank), so the
+gradients summed over the world are the update one process would compute.
+
+    objective = OBJECTIVES[cfg.data.objective](cfg)
+    for row in objective.rows(tokenizer): ...
+    loss = objective.loss(model, batch, layout) / objective.denominator(rows)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from fm_parallel.logprobs import response_sums, token_logps
+from fm_parallel.trainer.config import Config
+from fm_parallel.trainer.data import Row, dpo_rows, sft_rows
+from fm_parallel.trainer.model import hidden_states
+
+__all__ = ["Objective", "SFT", "DPO", "OBJECTIVES", "objective", "chunked"]
+
+
+def chunked(head, hidden, labels, chunk: int, fn):
+    """Sum of ``fn(logits_chunk, labels_chunk)`` over token chunks; each chunk's logits are recomputed
+    in the backward instead of kept, so ``[N, vocab]`` logits never exist at once."""
+    total = 0
+    for c0 in range(0, hidden.shape[1], chunk):
+        h, y = hidden[:, c0 : c0 + chunk], labels[:, c0 : c0 + chunk]
+        total = total + checkpoint(lambda h_, y_: fn(head(h_).float(), y_), h, y, use_reentrant=False)
+    return total
+
+
+class Objective:
+    """One training objective. ``cfg``: the run's Config."""
+
+    name = ""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def rows(self, tokenizer):
+        """The endless, deterministic stream of packed :class:`Row` s (the same on every rank)."""
+        raise NotImplementedError
+
+    def denominator(self, rows: list[Row]) -> int:
+        """What the summed losses of ``rows`` (the whole step's) are divided by; at least 1, so rows
+        with nothing to predict contribute zero, not NaN."""
+        raise NotImplementedError
+
+    def loss(self, model, batch, layout) -> torch.Tensor:
+        """This rank's summed loss of one row (a scalar; unnormalised)."""
+        raise NotImplementedError
+
+
+class SFT(Objective):
+    """Next-token cross-entropy on packed documents, summed over the scored tokens."""
+
+    name = "sft"
+
+    def rows(self, tokenizer):
+        return sft_rows(self.cfg.data.seq_len, tokenizer, self.cfg.data.path)
+
+    def denominator(self, rows):
+        return max(sum(int((r.labels != -100).sum()) for r in rows), 1)
+
+    def loss(self, model, batch, layout):
+        head = model.get_base_model().lm_head
+        return chunked(head, hidden_states(model, batch), batch.labels, self.cfg.training.loss_chunk,
+                       lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum"))
+
+
+class DPO(Objective):
+    """DPO on packed preference samples (shared prompt or TRL's layout, ``data.dpo_layout``); the
+    reference model is the base with the adapter disabled. Summed over samples."""
+
+    name = "dpo"
+
+    def rows(self, tokenizer):
+        d = self.cfg.data
+        return dpo_rows(d.seq_len, tokenizer, d.path, d.dpo_layout)
+
+    def denominator(self, rows):
+        return max(sum(int(r.sample.max()) + 1 for r in rows), 1)
+
+    def response_logps(self, model, batch) -> torch.Tensor:
+        """``[samples, 2]``: summed log-probs of each sample's chosen and rejected tokens (this rank's part)."""
+        hidden = hidden_states(model, batch)
+        head = model.get_base_model().lm_head
+        chunk = self.cfg.training.loss_chunk
+        parts = []
+        for c0 in range(0, hidden.shape[1], chunk):
+            h, y = hidden[:, c0 : c0 + chunk], batch.labels[:, c0 : c0 + chunk]
+            parts.append(checkpoint(lambda h_, y_: token_logps(head(h_).float(), y_), h, y, use_reentrant=False))
+        # The trainer's labels are shifted (position t scores token t + 1, inside the same response), so a
+        # scored position's own segment and sample are its target's.
+        return response_sums(torch.cat(parts, dim=1), batch.segment, batch.sample, samples=batch.samples, responses=2,
+                             scored=batch.labels >= 0)
+
+    def loss(self, model, batch, layout):
+        policy = self.response_logps(model, batch)
+        with torch.no_grad(), model.disable_adapter():
+            reference = self.response_logps(model, batch)
+        policy, reference = layout.cp_sum(policy), layout.cp_sum(reference)
+        margin = (policy[:, 0] - reference[:, 0]) - (policy[:, 1] - reference[:, 1])
+        # Each CP rank holds the same per-sample sums; 1/cp makes the world-summed gradient exact.
+        return -F.logsigmoid(self.cfg.training.dpo_beta * margin).sum() / layout.cp
+
+
+OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (SFT, DPO)}
+
+
+def objective(cfg: Config) -> Objective:
+    """The configured objective (``data.objective``)."""
+    return OBJECTIVES[cfg.data.objective](cfg)

@@ -1,0 +1,168 @@
+"""The trainer's parallel layout: the process group, the (dp, ring, ulysses) mesh, and one row sharded
+into the batch a context-parallel rank computes on.
+
+World = data parallel x context parallel. Data-parallel rank ``d`` takes rows ``d, d + dp, ...`` of
+every step; the CP ranks of one row each take their shard of it (:class:`ShardPlan`). The CP mode
+(ring, Ulysses, hybrid, none) is decided here and nowhere else: the rest of the trainer asks the
+:class:`Layout` for a context and for sums over the CP ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fm_parallel.distributed import ParallelDims, shard
+from fm_parallel.distributed.context import ContextParallel
+from fm_parallel.distributed.prepared import PreparedMask
+from fm_parallel.distributed.sharding import length_multiple
+from fm_parallel.masks.flashmask import FlashMask
+from fm_parallel.trainer.config import Config, ConfigError
+from fm_parallel.trainer.data import Row
+
+__all__ = ["init_distributed", "Layout", "layout", "Batch", "prepare_batch", "device"]
+
+
+def init_distributed(timeout_s: float) -> None:
+    """Join the job's process group; every collective then fails after ``timeout_s`` instead of
+    waiting for ever on a dead or stuck rank."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    # Launched by torchrun (or any launcher that sets the env:// rendezvous): join it. A bare WORLD_SIZE=1
+    # without MASTER_ADDR is not a launch: accelerate (HF Trainer, TRL) writes it into os.environ once a
+    # process group exists, and a later run in that process, or a child of it, would wait for a rendezvous.
+    if "MASTER_ADDR" in os.environ or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    # A plain `python` run is one process: an in-memory store, no TCP port that another job could hold.
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def device() -> torch.device:
+    """This rank's device: its local GPU, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+@dataclass
+class Layout:
+    """Where this rank sits. ``group``: the CP process group (ring, Ulysses), or for hybrid the
+    ``("ring", "ulysses")`` sub-mesh; ``dp_rank`` / ``cp_rank``: this rank's indices."""
+
+    mode: str
+    dims: ParallelDims
+    mesh: object
+    group: object
+    dp_rank: int
+    cp_rank: int
+    cfg: Config
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    def context(self, plan) -> ContextParallel:
+        """The row's :class:`ContextParallel` (a new one per row: its plan is the row's)."""
+        p = self.cfg.parallel
+        hybrid = self.mode == "hybrid"
+        return ContextParallel(self.mode, plan, group=None if hybrid else self.group, mesh=self.group if hybrid else None,
+                               impl=p.impl or None, cuda_graphs=p.cuda_graphs)
+
+    def cp_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the row's CP ranks, differentiable (each rank gets the sum's gradient)."""
+        import torch.distributed.nn.functional as dfn
+
+        if self.cp == 1:
+            return x
+        if self.mode == "hybrid":
+            x = dfn.all_reduce(x, group=self.group.get_group("ulysses"))
+            return dfn.all_reduce(x, group=self.group.get_group("ring"))
+        return dfn.all_reduce(x, group=self.group)
+
+
+def layout(cfg: Config) -> Layout:
+    """The layout of the configured run over the current process group; the rules between the CP
+    keys and the world are checked here, on every rank, before any model is built."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mode = cfg.parallel.cp
+    cp = world if cfg.parallel.cp_degree == -1 else cfg.parallel.cp_degree
+    if mode == "none":
+        cp = 1
+    uly = {"ring": 1, "ulysses": cp, "hybrid": cfg.parallel.ulysses_degree, "none": 1}[mode]
+    if cp % uly:
+        raise ConfigError(f"parallel.ulysses_degree: expected a divisor of the CP degree {cp}, got {uly}")
+    if cfg.model.attention != "flashmask" and cp > 1:
+        raise ConfigError(f"model.attention: {cfg.model.attention!r} is a single-device baseline; expected parallel.cp none "
+                          f"or a CP degree of 1, got {mode} over {cp} ranks")
+    if world % cp:
+        raise ConfigError(f"parallel.cp_degree: expected a divisor of the {world} ranks, got {cp}")
+    divisor = length_multiple(cp, cfg.parallel.balance)  # shard()'s own rule, checked before any rank builds a model
+    if cp > 1 and cfg.data.seq_len % divisor:
+        raise ConfigError(f"data.seq_len: expected a multiple of {divisor} (CP degree {cp}, balance {cfg.parallel.balance}), "
+                          f"got {cfg.data.seq_len}")
+    if cfg.parallel.cuda_graphs and not torch.cuda.is_available():
+        raise ConfigError("parallel.cuda_graphs: expected a CUDA run (NCCL ring; gloo's host transfers cannot be "
+                          "captured), got a CPU run")
+    if cfg.parallel.cuda_graphs and cp == 1:
+        raise ConfigError("parallel.cuda_graphs: expected a CP degree above 1 (it captures the ring's layers), got 1 "
+                          f"(cp {mode} over {world} rank{'s' if world > 1 else ''})")
+    dims = ParallelDims(world, ring=cp // uly, ulysses=uly)
+    mesh = dims.build_mesh("cuda" if torch.cuda.is_available() else "cpu")
+    if mode == "hybrid":
+        group = mesh["ring", "ulysses"]
+    elif mode == "ulysses":
+        group = mesh["ulysses"].get_group()
+    else:
+        group = mesh["ring"].get_group()
+    # mesh dims are (dp, ring, ulysses), row-major
+    return Layout(mode, dims, mesh, group, dp_rank=rank // cp, cp_rank=rank % cp, cfg=cfg)
+
+
+@dataclass
+class Batch:
+    """One row as this rank computes on it: ``[1, n]`` tensors (``n = N / cp``, this rank's shard
+    under CP) on the device. ``mask``: the step's :class:`PreparedMask` under CP (passed to the
+    model as it is: every layer, forward and backward, reuses it), else the row's FlashMask.
+    ``ctx``: the row's ContextParallel (None without CP); ``impl``: the kernel without CP.
+    ``samples``: the row's sample count (documents for SFT, preference samples for DPO)."""
+
+    ids: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor
+    segment: torch.Tensor
+    sample: torch.Tensor
+    mask: PreparedMask | FlashMask
+    ctx: ContextParallel | None
+    impl: str
+    samples: int
+
+
+def prepare_batch(row: Row, lay: Layout, cfg: Config, dev: torch.device) -> Batch:
+    """Move ``row`` to ``dev`` and, under CP, shard it and prepare its mask (one collective)."""
+    n = cfg.data.seq_len
+    tensors = [t.view(1, n).to(dev) for t in (row.input_ids, row.labels, row.positions, row.segment, row.sample)]
+    ctx = None
+    if lay.cp > 1:
+        plan = shard(row.mask, lay.cp, cfg.parallel.balance)
+        ctx = lay.context(plan)
+        # The step's mask prepared once, from the loader's host mask (its digest hashed there, the ranks'
+        # agreement, the pair table, column masks; launch plans on the first layer); every layer of the
+        # policy and reference passes, forward and backward, reuses it.
+        mask = ctx.prepare(row.mask, device=dev)
+        tensors = [plan.shard(t, lay.cp_rank, dim=1) for t in tensors]
+    else:
+        mask = row.mask.to(dev)
+    return Batch(*tensors, mask=mask, ctx=ctx, impl=cfg.parallel.impl or "auto", samples=int(row.sample.max()) + 1)
