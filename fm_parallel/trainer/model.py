@@ -18,23 +18,65 @@ from fm_parallel.trainer.data import load_tokenizer, validate_jsonl
 from fm_parallel.trainer.memory import checkpoint_layers
 from fm_parallel.trainer.tiling import tile_decoder_layers
 
-__all__ = ["build_tokenizer", "build_model", "hidden", "hidden_states", "preflight"]
+__all__ = ["tokenizer_source", "build_tokenizer", "check_vocabulary", "build_model", "hidden", "hidden_states", "preflight"]
+
+
+# What a Hugging Face model folder holds when it carries its own tokenizer (what AutoTokenizer reads).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def tokenizer_source(cfg: Config) -> str:
+    """Where the run's tokenizer comes from: ``data.tokenizer`` when given; else ``model.path`` when
+    that folder holds its own tokenizer (as ``from_pretrained(path)`` does in Hugging Face); else ""
+    (the byte tokenizer)."""
+    if cfg.data.tokenizer:
+        return cfg.data.tokenizer
+    if cfg.model.path and any((Path(cfg.model.path) / name).is_file() for name in TOKENIZER_FILES):
+        return cfg.model.path
+    return ""
 
 
 def build_tokenizer(cfg: Config):
-    """The run's tokenizer: ``data.tokenizer`` (a local Hugging Face folder), else the byte tokenizer."""
-    if cfg.data.tokenizer and not Path(cfg.data.tokenizer).is_dir():
-        raise ConfigError(f"data.tokenizer: expected a local Hugging Face tokenizer folder, got {cfg.data.tokenizer!r}")
+    """The run's tokenizer (:func:`tokenizer_source`). The source is written into ``data.tokenizer``,
+    so the run's ``run.json``, a resume's comparison and the exported adapter name the tokenizer the
+    run trained with, not "bytes"."""
+    given = bool(cfg.data.tokenizer)
+    cfg.data.tokenizer = source = tokenizer_source(cfg)
+    if given and not Path(source).is_dir():
+        raise ConfigError(f"data.tokenizer: expected a local Hugging Face tokenizer folder, got {source!r}")
     try:
-        return load_tokenizer(cfg.data.tokenizer)
+        return load_tokenizer(source)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer!r} could not be loaded ({e})") from None
+        key = "data.tokenizer" if given else "model.path"
+        raise ConfigError(f"{key}: the tokenizer in {source!r} could not be loaded ({e})"
+                          + ("" if given else "; set data.tokenizer to a working tokenizer folder")) from None
+
+
+def check_vocabulary(cfg: Config, tokenizer) -> None:
+    """Refuse a ``model.path`` model whose embedding cannot hold every id the tokenizer gives (an
+    index error on every rank otherwise, at the first step). A model built from the config is sized
+    to the tokenizer."""
+    if not cfg.model.path:
+        return
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: {cfg.model.path!r} holds no readable model config ({e})") from None
+    vocab = getattr(config.get_text_config(), "vocab_size", None)
+    if isinstance(vocab, int) and vocab < tokenizer.vocab_size:
+        which = f"the tokenizer of {cfg.data.tokenizer}" if cfg.data.tokenizer else "the byte tokenizer"
+        raise ConfigError(f"model.path: expected a model whose vocabulary holds {which}'s {tokenizer.vocab_size} ids, got "
+                          f"vocab_size {vocab} in {cfg.model.path}; set data.tokenizer to the model's own tokenizer "
+                          "folder (or use a model trained with this tokenizer)")
 
 
 def preflight(cfg: Config, tokenizer, stop) -> None:
     """Checks that need no model: folders exist, the data file is valid (one pass, ``file:line`` named)."""
     if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path: expected a local Hugging Face model folder with a config.json, got {cfg.model.path!r}")
+    check_vocabulary(cfg, tokenizer)
     if cfg.data.path:
         validate_jsonl(cfg.data.path, cfg.data.objective, cfg.data.seq_len, tokenizer, stop, cfg.data.dpo_layout)
 

@@ -1,0 +1,92 @@
+"""The trainer's model and tokenizer through the trainer command (``fm_parallel.trainer.loop.main``, what
+launch/train.py runs): a ``model.path`` folder's own tokenizer is the default, a vocabulary that cannot
+hold the tokenizer's ids is refused by name before anything runs, and the adapter names the tokenizer."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+ARGS = ["--parallel.cp", "none", "--data.seq_len", "64", "--training.steps", "1", "--training.warmup", "0",
+        "--training.loss_chunk", "64", "--model.lora_rank", "2", "--output.checkpoint_every", "0"]
+
+
+def _tokenizer():
+    """A small byte-level BPE tokenizer (288 ids: more than the byte tokenizer's 258), built offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def f(x): return x + 1", "import os, sys", "class A: pass"] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", pad_token="<pad>")
+
+
+def _model_folder(path, vocab_size: int, tokenizer=None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def _run(argv, capsys):
+    """The trainer command in this process: (exit status, stdout, stderr)."""
+    from fm_parallel.trainer.loop import main
+
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_a_model_folders_own_tokenizer_is_the_default_and_the_adapter_names_it(tmp_path, capsys):
+    tok = _tokenizer()
+    model = _model_folder(tmp_path / "model", len(tok), tok)
+    out = tmp_path / "run"
+    code, _, err = _run(ARGS + ["--model.path", str(model), "--output.dir", str(out)], capsys)
+    assert code in (0, None), err[-3000:]
+    assert json.loads((out / "run.json").read_text())["data"]["tokenizer"] == str(model)
+    info = json.loads((out / "adapter" / "fm_parallel.json").read_text())
+    assert (info["tokenizer"], info["vocab_size"]) == (str(model), len(tok))  # not "bytes", not 258
+    assert (out / "adapter" / "tokenizer.json").is_file()  # the tokenizer travels with the adapter
+
+    # data.tokenizer, when given, wins over the model folder's (as in Hugging Face).
+    from fm_parallel.trainer.config import load_config
+    from fm_parallel.trainer.model import build_tokenizer
+
+    other = tmp_path / "other_tok"
+    _tokenizer().save_pretrained(other)
+    cfg = load_config(["--model.path", str(model), "--data.tokenizer", str(other)], environ={})
+    assert build_tokenizer(cfg).tok.name_or_path == str(other) and cfg.data.tokenizer == str(other)
+    # A model folder without a tokenizer keeps the byte tokenizer.
+    bare = _model_folder(tmp_path / "bare", 300)
+    cfg = load_config(["--model.path", str(bare)], environ={})
+    assert type(build_tokenizer(cfg)).__name__ == "ByteTokenizer" and cfg.data.tokenizer == ""
+
+
+def test_a_vocabulary_too_small_for_the_tokenizer_is_refused_by_name(tmp_path, capsys):
+    bytes_model = _model_folder(tmp_path / "vocab256", 256)
+    code, _, err = _run(ARGS + ["--model.path", str(bytes_model), "--output.dir", str(tmp_path / "a")], capsys)
+    assert code == 2 and "Traceback" not in err, err[-3000:]
+    [line] = [x for x in err.splitlines() if x.startswith("error:")]
+    assert "model.path: expected a model whose vocabulary holds the byte tokenizer's 258 ids" in line, line
+    assert "vocab_size 256" in line and "data.tokenizer" in line, line
+    tok = _tokenizer()
+    small = _model_folder(tmp_path / "small", 200, tok)
+    code, _, err = _run(ARGS + ["--model.path", str(small), "--output.dir", str(tmp_path / "b")], capsys)
+    assert code == 2, err[-3000:]
+    assert f"holds the tokenizer of {small}'s {len(tok)} ids, got vocab_size 200" in err, err[-3000:]
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before anything was written
