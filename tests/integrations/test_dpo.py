@@ -162,3 +162,48 @@ def test_dpo_trainer_refuses_what_would_train_wrongly():
     with pytest.raises(ValueError, match=r"responses: expected 4 \(the batch's layout"):
         trainer.train()
 
+
+
+def test_dpo_trainer_equals_the_fm_parallel_trainers_dpo_objective(tmp_path):
+    """The same pairs through the project's trainer objective (fm_parallel.trainer.objectives.DPO, its
+    packed row from a JSONL file, byte tokens) and through FlashMaskDPOTrainer: the same mean loss."""
+    import json
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from fm_parallel.distributed.dims import ParallelDims
+    from fm_parallel.integrations import transformers as fm_hf
+    from fm_parallel.integrations.dpo import FlashMaskDPOTrainer
+    from fm_parallel.trainer.config import load_config
+    from fm_parallel.trainer.data import ByteTokenizer, dpo_rows
+    from fm_parallel.trainer.objectives import DPO
+    from fm_parallel.trainer.parallel import Layout, prepare_batch
+
+    data = tmp_path / "pairs.jsonl"
+    records = [{"prompt": "def f(x):", "chosen": " return x", "rejected": " pass"},
+               {"prompt": "import os", "chosen": "\nos.getcwd()", "rejected": "\nos.exit"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = load_config([], environ={"FM_DATA__OBJECTIVE": "dpo", "FM_DATA__PATH": str(data), "FM_DATA__SEQ_LEN": "96",
+                                   "FM_TRAINING__DPO_BETA": "0.5"})
+    row = next(dpo_rows(96, ByteTokenizer(), str(data)))
+    assert int(row.sample.max()) == 1  # both pairs in one row
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, attn_implementation=fm_hf.register()))
+    torch.manual_seed(1)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model.eval()
+    lay = Layout("none", ParallelDims(1), None, None, 0, 0, cfg)
+    with torch.no_grad():
+        want = DPO(cfg).loss(model, prepare_batch(row, lay, cfg, torch.device("cpu")), lay) / (int(row.sample.max()) + 1)
+
+    ids, seg, smp = row.input_ids.tolist(), row.segment.tolist(), row.sample.tolist()
+    pairs_ = [{key: [t for t, g, s in zip(ids, seg, smp) if s == i and g == part]
+               for part, key in enumerate(("prompt_ids", "chosen_ids", "rejected_ids"))} for i in range(2)]
+    trainer = FlashMaskDPOTrainer(model=model, beta=0.5, eval_dataset=pairs_,
+                                  args=TrainingArguments(**common_args(per_device_eval_batch_size=2)))
+    got = trainer.evaluate()["eval_loss"]
+    assert abs(float(want) - 0.6931) > 1e-3  # a random adapter: the policy is not the reference
+    assert got == pytest.approx(float(want), rel=1e-6), (got, float(want))
