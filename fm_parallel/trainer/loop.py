@@ -51,6 +51,7 @@ def train(cfg: Config) -> dict:
 def _train(cfg: Config, stopped) -> dict:
     tokenizer = build_tokenizer(cfg)
     preflight(cfg, tokenizer, stopped)
+    held = metrics.HeldOut(cfg, make_objective(cfg), tokenizer)  # the eval rows, checked before anything starts
     parallel.init_distributed(cfg.parallel.timeout_s)
     rank, out_dir = dist.get_rank(), Path(cfg.output.dir)
     say = lambda text: print(text, flush=True) if rank == 0 else None  # noqa: E731
@@ -69,11 +70,11 @@ def _train(cfg: Config, stopped) -> dict:
                         save_base=(lambda base: save_base_model(base, out_dir / "base_model")) if fresh else None)
     params, optim = build_optimizer(model, cfg)
     rows_per_step, objective = lay.dp * cfg.training.grad_accum, make_objective(cfg)
-    stream = objective.rows(tokenizer)
+    stream = held.train_stream(objective.rows(tokenizer))
     start, rows_done, interrupted = checkpoint.resume(cfg, model, optim, rows_per_step, stream, stopped, say)
     if interrupted:
         return {}
-    log = metrics.MetricsLog(out_dir, rank, start)
+    log = metrics.MetricsLog(out_dir, rank, start, cfg)
     if start >= cfg.training.steps:
         say(f"nothing to train: the run already reached training.steps = {cfg.training.steps}")
     progress = metrics.Progress(cfg, rank, start, f"{cfg.data.objective} {lay.mode} x{lay.cp} dp{lay.dp}")
@@ -90,14 +91,14 @@ def _train(cfg: Config, stopped) -> dict:
             loss = objective.loss(model, parallel.prepare_batch(row, lay, cfg, device), lay) / denom
             loss.backward()
             local_loss += loss.detach().double()
-        update(params, optim)  # the whole world's gradients; losses were normalised globally
+        grad_norm = update(params, optim)  # the whole world's gradients; losses were normalised globally
         dist.all_reduce(local_loss)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        record = metrics.step_record(step, local_loss.item(), len(rows) * cfg.data.seq_len, time.perf_counter() - t0,
-                                     lr, device, policy)
-        log.append(record)
-        progress.update(record)
+        progress.update(log.append(metrics.step_record(step, local_loss.item(), len(rows) * cfg.data.seq_len,
+                                                       time.perf_counter() - t0, lr, device, policy, grad_norm)))
+        if held.due(step):
+            progress.write(log.append(held.evaluate(objective, model, lay, device, step)))
         last = step == cfg.training.steps - 1
         flag = torch.tensor(1 if stopped() else 0, device=device)  # NCCL reduces device tensors only
         dist.all_reduce(flag)  # every rank stops at the same step
@@ -111,7 +112,7 @@ def _train(cfg: Config, stopped) -> dict:
     progress.close()
     if not stopped():
         checkpoint.publish_adapter(cfg, saved, say)
-    summary = metrics.finish(cfg, out_dir, rank, log.path)
+    summary = metrics.finish(cfg, out_dir, rank, log)
     dist.barrier()
     return summary
 

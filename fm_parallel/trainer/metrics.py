@@ -1,22 +1,32 @@
-"""What a run reports: one JSON line per step in ``metrics.jsonl`` (rank 0), the progress bar, and
-at the end the plot ``training.png`` and a summary.
+"""What a run reports: one JSON line per step in ``metrics.jsonl`` (rank 0), the progress bar,
+held-out evaluation, TensorBoard / W&B, and at the end the plot ``training.png`` and a summary.
 
-    log = MetricsLog(out_dir, rank)          # trims what a resumed run logged after its checkpoint
-    log.append(step_record(...)); progress.update(record)
-    summary = finish(cfg, out_dir, rank, log.path)
+    held = HeldOut(cfg, objective, tokenizer)          # eval rows; held.train_stream(stream) drops them
+    log = MetricsLog(out_dir, rank, start, cfg)        # trims what a resumed run logged; TensorBoard / W&B
+    progress.update(log.append(step_record(...)))      # the record gets loss_ema; logged everywhere
+    if held.due(step): progress.write(log.append(held.evaluate(...)))
+    summary = finish(cfg, out_dir, rank, log)          # plot, summary; the loggers closed
+
+A training line holds ``step, loss, loss_ema, lr, grad_norm, memory_gib, tokens_per_s, step_s`` (and
+``peak_gib`` on GPU, ``host_gib`` with offloaded checkpoints); an evaluation line ``step, eval_loss,
+eval_rows`` (DPO: ``eval_reward_accuracy, eval_reward_margin``, TRL's rewards/accuracies and margins).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from fm_parallel.trainer.config import Config
+from fm_parallel.trainer.config import Config, ConfigError
+from fm_parallel.trainer.data import Row, validate_jsonl
 
-__all__ = ["MetricsLog", "Progress", "step_started", "step_record", "finish"]
+__all__ = ["MetricsLog", "Progress", "HeldOut", "Loggers", "row_digest", "memory_gib", "ema", "step_started", "step_record",
+           "plot", "finish"]
 
 
 def _logged_step(line: str) -> int:
@@ -27,20 +37,37 @@ def _logged_step(line: str) -> int:
 
 
 class MetricsLog:
-    """``out_dir/metrics.jsonl``, written by rank 0 only. A run that starts at step ``start``
-    (resumed) drops what was logged at or after it: those steps are trained again."""
+    """``out_dir/metrics.jsonl``, written by rank 0 only, and with ``cfg`` the run's :class:`Loggers`
+    (TensorBoard, W&B) fed the same records. A run that starts at step ``start`` (resumed) drops what
+    was logged at or after it: those steps are trained again. Each training record gets ``loss_ema``
+    (:func:`ema` of the losses so far, weight ``logging.ema``), continued on resume."""
 
-    def __init__(self, out_dir: Path, rank: int, start: int = 0):
+    def __init__(self, out_dir: Path, rank: int, start: int = 0, cfg: Config | None = None):
         self.path, self.rank = Path(out_dir) / "metrics.jsonl", rank
+        self.weight = cfg.logging.ema if cfg is not None else 0.9
+        self.losses: list[float] = []
         if rank == 0 and self.path.exists():
             # A resumed run drops what was logged after its checkpoint (a fresh one starts in an empty directory).
             kept = [line for line in self.path.read_text().splitlines() if line.strip() and _logged_step(line) < start]
             self.path.write_text("".join(line + "\n" for line in kept))
+            self.losses = [r["loss"] for r in map(json.loads, kept) if "loss" in r]
+        self.loggers = Loggers(cfg, Path(out_dir), rank, start) if cfg is not None else None
 
-    def append(self, record: dict) -> None:
+    def append(self, record: dict) -> dict:
+        """Write ``record`` (a training record gets its ``loss_ema``) and log it; returns it."""
+        if "loss" in record:
+            self.losses.append(record["loss"])
+            record["loss_ema"] = ema(self.losses, self.weight)[-1]
         if self.rank == 0:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.loggers is not None:
+            self.loggers.log(record, "eval" if "eval_loss" in record else "train")
+        return record
+
+    def close(self) -> None:
+        if self.loggers is not None:
+            self.loggers.close()
 
 
 def step_started(device, policy) -> None:
@@ -51,14 +78,20 @@ def step_started(device, policy) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def step_record(step: int, loss: float, tokens: int, elapsed: float, lr: float, device, policy) -> dict:
-    """One step's metrics (collective on CUDA: the peak memory is the largest over the ranks, the one
-    that decides whether a length fits). ``policy``: the model's checkpoint policy (host bytes)."""
-    record = {"step": step, "loss": loss, "tokens_per_s": tokens / elapsed, "lr": lr, "step_s": elapsed}
+def step_record(step: int, loss: float, tokens: int, elapsed: float, lr: float, device, policy,
+                grad_norm: float | None = None) -> dict:
+    """One step's metrics (collective: the memory is the largest over the ranks, the one that decides
+    whether a length fits; :func:`memory_gib`). ``policy``: the model's checkpoint policy (host bytes);
+    ``grad_norm``: the world's gradient norm before clipping (``clip_grad_norm_``'s return)."""
+    record = {"step": step, "loss": loss, "lr": lr}
+    if grad_norm is not None:
+        record["grad_norm"] = grad_norm
+    memory = torch.tensor(memory_gib(device), device=device, dtype=torch.float64)
+    dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+    record["memory_gib"] = memory.item()
     if device.type == "cuda":
-        peak = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30, device=device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        record["peak_gib"] = peak.item()
+        record["peak_gib"] = record["memory_gib"]  # the name earlier runs and scripts read
+    record.update(tokens_per_s=tokens / elapsed, step_s=elapsed)
     if policy is not None and policy.host_bytes:
         record["host_gib"] = policy.host_bytes / 2**30
     return record
@@ -79,8 +112,23 @@ class Progress:
             return
         step = record["step"]
         if (step + 1) % self.cfg.output.log_every == 0 or step + 1 == self.cfg.training.steps:
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            shown = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}"}
+            if "grad_norm" in record:
+                shown["gnorm"] = f"{record['grad_norm']:.3f}"
+            if "memory_gib" in record:
+                shown["mem"] = f"{record['memory_gib']:.2f}G"
+            shown["tok_s"] = f"{record['tokens_per_s']:.0f}"
+            self.bar.set_postfix(shown)
         self.bar.update(1)
+
+    def write(self, record: dict) -> None:
+        """An evaluation's line, printed above the bar (rank 0)."""
+        if self.bar is None:
+            return
+        extra = "".join(f", {k.removeprefix('eval_').replace('_', ' ')} {v:.4f}" for k, v in record.items()
+                        if k.startswith("eval_") and k not in ("eval_loss", "eval_rows"))
+        self.bar.write(f"step {record['step']}: eval loss {record['eval_loss']:.4f} over {record['eval_rows']} held-out "
+                       f"rows{extra}")
 
     def close(self) -> None:
         if self.bar is not None:
@@ -88,41 +136,234 @@ class Progress:
             self.bar = None
 
 
-def finish(cfg: Config, out_dir: Path, rank: int, metrics_path: Path) -> dict:
-    """Rank 0: the plot of loss and throughput, the printed summary; returns the summary ({} elsewhere)."""
-    if rank != 0:
-        return {}
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()] if metrics_path.exists() else []
-    if not records:
-        return {}
+def plot(cfg: Config, records: list[dict], path: Path):
+    """The plot of a run's ``metrics.jsonl`` records, saved to ``path``; returns the figure. Left: the
+    loss of each step (raw), its ``loss_ema`` line and the evaluations' losses; right: throughput."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    steps = [r["step"] for r in records]
-    a.plot(steps, [r["loss"] for r in records], "o-", ms=3)
+    steps = [r["step"] for r in train]
+    a.plot(steps, [r["loss"] for r in train], "o-", ms=2, lw=0.8, alpha=0.45, color="C0", label="loss")
+    smoothed = [r["loss_ema"] for r in train]
+    if not all("loss_ema" in r for r in train):  # records of a run from before loss_ema was logged
+        smoothed = ema([r["loss"] for r in train], cfg.logging.ema)
+    a.plot(steps, smoothed, "-", lw=2, color="C0", label=f"EMA {cfg.logging.ema:g}")
+    if evals:
+        a.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "D--", ms=5, color="C3", label="eval loss")
     a.set_xlabel("step")
     a.set_ylabel(f"{cfg.data.objective} loss")
     a.grid(alpha=0.3)
-    b.plot(steps, [r["tokens_per_s"] for r in records], "s-", ms=3, color="C1")
+    a.legend(fontsize=8)
+    b.plot(steps, [r["tokens_per_s"] for r in train], "s-", ms=3, color="C1")
     b.set_xlabel("step")
     b.set_ylabel("tokens / s")
     b.grid(alpha=0.3)
     fig.suptitle(f"{cfg.data.objective}, seq_len {cfg.data.seq_len}, cp {cfg.parallel.cp}")
     fig.tight_layout()
-    plot = out_dir / "training.png"
-    fig.savefig(plot, dpi=110)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)  # the figure object stays readable (its lines); pyplot no longer holds it
+    return fig
+
+
+def finish(cfg: Config, out_dir: Path, rank: int, log: MetricsLog | Path) -> dict:
+    """Rank 0: the plot (:func:`plot`), the printed summary; returns the summary ({} elsewhere).
+    ``log``: the run's :class:`MetricsLog` (its loggers are closed here) or its ``metrics.jsonl``."""
+    if isinstance(log, MetricsLog):
+        log.close()
+    metrics_path = log.path if isinstance(log, MetricsLog) else Path(log)
+    if rank != 0:
+        return {}
+    lines = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()] if metrics_path.exists() else []
+    records = [r for r in lines if "loss" in r]
+    if not records:
+        return {}
+    evals = [r for r in lines if "eval_loss" in r]
+    path = out_dir / "training.png"
+    plot(cfg, lines, path)
     tail = records[len(records) // 2 :] or records
     summary = {
-        "plot": str(plot), "metrics": str(metrics_path), "steps": len(records),
+        "plot": str(path), "metrics": str(metrics_path), "steps": len(records),
         "first_loss": records[0]["loss"], "final_loss": records[-1]["loss"],
+        "final_loss_ema": records[-1].get("loss_ema", records[-1]["loss"]),
         "tokens_per_s": sum(r["tokens_per_s"] for r in tail) / len(tail),
     }
     if "peak_gib" in records[-1]:
         summary["peak_gib"] = max(r.get("peak_gib", 0.0) for r in records)
-    print(f"plot: {plot}")
+    said = ""
+    if evals:
+        summary["eval_loss"] = [r["eval_loss"] for r in evals]
+        said = f"; eval loss {evals[0]['eval_loss']:.4f} -> {evals[-1]['eval_loss']:.4f}"
+        if "eval_reward_accuracy" in evals[-1]:
+            summary["eval_reward_accuracy"] = evals[-1]["eval_reward_accuracy"]
+            said += f", reward accuracy {evals[-1]['eval_reward_accuracy']:.2f}"
+    print(f"plot: {path}")
     print(f"summary: {summary['tokens_per_s']:.0f} tokens/s, loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} "
-          f"over {summary['steps']} steps ({cfg.data.objective}, cp={cfg.parallel.cp})")
+          f"over {summary['steps']} steps ({cfg.data.objective}, cp={cfg.parallel.cp}); smoothed {summary['final_loss_ema']:.4f} "
+          f"(EMA {cfg.logging.ema:g}){said}")
     return summary
+
+
+# ----------------------------------------------------------------- held-out evaluation
+def row_digest(row: Row) -> bytes:
+    """A row's content hash (its tokens, segments and samples): how a held-out row is recognised when
+    the stream brings it round again."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in (row.input_ids, row.segment, row.sample):
+        h.update(t.contiguous().numpy().tobytes())
+    return h.digest()
+
+
+class HeldOut:
+    """The ``eval`` section: ``eval.rows`` held-out rows, and the training stream without them.
+
+    Without ``eval.path`` the held-out rows are the first ``eval.rows`` rows of the training stream;
+    every row of the stream whose :func:`row_digest` is one of theirs is dropped from training (the
+    stream repeats the data, so they come round again each pass). With ``eval.path`` they are that
+    file's first rows and the training stream is untouched. The same on every rank (the streams are)."""
+
+    def __init__(self, cfg: Config, objective, tokenizer):
+        self.cfg, self.rows, self.digests = cfg, [], set()
+        e = cfg.eval
+        if not e.rows:
+            return
+        if e.path:
+            validate_jsonl(e.path, cfg.data.objective, cfg.data.seq_len, tokenizer, None, cfg.data.dpo_layout)
+            source = type(objective)(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=e.path)))
+            stream = source.rows(tokenizer)
+        else:
+            stream = objective.rows(tokenizer)
+        seen: set[bytes] = set()
+        repeated = False
+        for row in stream:  # the rows, and (held out of the stream) one more: it must be left to train on
+            digest = row_digest(row)
+            repeated = digest in seen  # the data came round again: one pass holds only the rows seen
+            if repeated or len(self.rows) == e.rows:
+                break
+            seen.add(digest)
+            self.rows.append(row)
+            if e.path and len(self.rows) == e.rows:
+                break
+        if e.path and len(self.rows) < e.rows:
+            raise ConfigError(f"eval.rows: expected at most the {len(self.rows)} rows that eval.path {e.path!r} packs "
+                              f"into (data.seq_len {cfg.data.seq_len}), got {e.rows}")
+        if not e.path and repeated:
+            raise ConfigError(f"eval.rows: expected fewer rows than the {len(self.rows)} of one pass over the training "
+                              f"data (data.seq_len {cfg.data.seq_len}), got {e.rows}: none would be left to train on")
+        self.digests = set() if e.path else seen
+
+    def train_stream(self, stream):
+        """``stream`` without the held-out rows."""
+        if not self.digests:
+            yield from stream
+            return
+        dropped = 0
+        for row in stream:
+            if row_digest(row) in self.digests:
+                dropped += 1
+                # Held-out rows are a pass's first rows: more of them in a row than were held out means
+                # every row of a pass is held out, and training would wait for ever.
+                if dropped > len(self.digests):
+                    raise ConfigError(f"eval.rows: expected fewer rows than one pass over the training data holds, "
+                                      f"got {self.cfg.eval.rows}: every row is held out, none is left to train on")
+                continue
+            dropped = 0
+            yield row
+
+    def due(self, step: int) -> bool:
+        """Evaluate after this step: every ``eval.every`` steps and after the last."""
+        return bool(self.rows) and ((step + 1) % self.cfg.eval.every == 0 or step + 1 == self.cfg.training.steps)
+
+    @torch.no_grad()
+    def evaluate(self, objective, model, lay, device, step: int) -> dict:
+        """The held-out loss over every held-out row (collective: each data-parallel rank takes its
+        share, summed over the world), normalised as a training step's loss is (tokens for SFT,
+        samples for DPO); DPO adds TRL's reward accuracy and mean reward margin."""
+        from fm_parallel.trainer import parallel
+
+        was_training = model.training
+        model.eval()
+        totals = None
+        for row in self.rows[lay.dp_rank :: lay.dp]:
+            sums = objective.eval_sums(model, parallel.prepare_batch(row, lay, self.cfg, device), lay)
+            totals = sums if totals is None else {k: totals[k] + v for k, v in sums.items()}
+        if totals is None:  # a data-parallel rank with no held-out row still joins the sum
+            totals = {k: torch.zeros((), device=device, dtype=torch.float64) for k in objective.EVAL_SUMS}
+        keys = list(objective.EVAL_SUMS)
+        flat = torch.stack([totals[k].double().reshape(()) for k in keys]).to(device)
+        dist.all_reduce(flat)
+        model.train(was_training)
+        values = dict(zip(keys, flat.tolist()))
+        count = max(values.pop("count"), 1.0)
+        record = {"step": step, "eval_loss": values.pop("loss") / count, "eval_rows": len(self.rows)}
+        record.update({f"eval_{k}": v / count for k, v in values.items()})
+        return record
+
+
+# ----------------------------------------------------------------- loggers
+class Loggers:
+    """TensorBoard and Weights & Biases, through their own libraries, on rank 0 (``logging`` section;
+    both off by default, their packages the extras ``[tensorboard]`` and ``[wandb]``, checked when the
+    config loads). Every number of a record is logged under ``train/`` or ``eval/`` at its step."""
+
+    def __init__(self, cfg: Config, out_dir: Path, rank: int, start: int):
+        self.tb = self.wb = None
+        if rank != 0:
+            return
+        if cfg.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: a resumed run hides the events logged after its checkpoint (trained again).
+            self.tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"), purge_step=start or None)
+        if cfg.logging.wandb:
+            import wandb
+
+            (out_dir / "wandb").mkdir(parents=True, exist_ok=True)
+            id_file = out_dir / "wandb" / "run_id"  # a resumed run continues the same W&B run
+            run_id = id_file.read_text().strip() if start and id_file.exists() else None
+            self.wb = wandb.init(project=cfg.logging.wandb_project, dir=str(out_dir), id=run_id,
+                                 resume="allow" if run_id else None, name=out_dir.name, config=cfg.to_dict(),
+                                 mode=cfg.logging.wandb_mode or None)
+            id_file.write_text(self.wb.id)
+
+    def log(self, record: dict, split: str = "train") -> None:
+        step = record["step"]
+        scalars = {f"{split}/{k.removeprefix('eval_')}": v for k, v in record.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wb is not None:
+            self.wb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+        if self.wb is not None:
+            self.wb.finish()
+            self.wb = None
+
+
+def memory_gib(device) -> float:
+    """This step's peak memory in GiB: on a GPU the peak allocated by torch since the step began; on
+    the CPU the process's peak resident set so far (``ru_maxrss``, KiB on Linux; it never falls)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def ema(values: list[float], weight: float) -> list[float]:
+    """The debiased exponential moving average (TensorBoard's smoothing): ``m = w m + (1 - w) x`` from
+    ``m = 0``, divided by ``1 - w^(t + 1)`` so the first values are not pulled towards zero."""
+    out, m = [], 0.0
+    for t, x in enumerate(values):
+        m = weight * m + (1 - weight) * x
+        out.append(m / (1 - weight ** (t + 1)))
+    return out

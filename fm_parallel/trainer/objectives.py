@@ -55,6 +55,14 @@ class Objective:
         """This rank's summed loss of one row (a scalar; unnormalised)."""
         raise NotImplementedError
 
+    # The sums :meth:`eval_sums` returns: "loss" and "count" (what it is divided by), then any more,
+    # each reported per count (``eval_<name>`` in metrics.jsonl).
+    EVAL_SUMS = ("loss", "count")
+
+    def eval_sums(self, model, batch, layout) -> dict[str, torch.Tensor]:
+        """This rank's sums over one held-out row (scalars; summed over the world, they are the row's)."""
+        raise NotImplementedError
+
 
 class SFT(Objective):
     """Next-token cross-entropy on packed documents, summed over the scored tokens."""
@@ -71,6 +79,9 @@ class SFT(Objective):
         head = model.get_base_model().lm_head
         return chunked(head, hidden_states(model, batch), batch.labels, self.cfg.training.loss_chunk,
                        lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum"))
+
+    def eval_sums(self, model, batch, layout):
+        return {"loss": self.loss(model, batch, layout), "count": (batch.labels >= 0).sum()}
 
 
 class DPO(Objective):
@@ -100,14 +111,27 @@ class DPO(Objective):
         return response_sums(torch.cat(parts, dim=1), batch.segment, batch.sample, samples=batch.samples, responses=2,
                              scored=batch.labels >= 0)
 
-    def loss(self, model, batch, layout):
+    def margins(self, model, batch, layout) -> torch.Tensor:
+        """``[samples]``: (policy - reference) log-ratio of chosen minus that of rejected, the whole row's
+        (summed over the CP ranks, the same on each)."""
         policy = self.response_logps(model, batch)
         with torch.no_grad(), model.disable_adapter():
             reference = self.response_logps(model, batch)
         policy, reference = layout.cp_sum(policy), layout.cp_sum(reference)
-        margin = (policy[:, 0] - reference[:, 0]) - (policy[:, 1] - reference[:, 1])
+        return (policy[:, 0] - reference[:, 0]) - (policy[:, 1] - reference[:, 1])
+
+    def loss(self, model, batch, layout):
+        margin = self.margins(model, batch, layout)
         # Each CP rank holds the same per-sample sums; 1/cp makes the world-summed gradient exact.
         return -F.logsigmoid(self.cfg.training.dpo_beta * margin).sum() / layout.cp
+
+    # TRL's rewards/accuracies (chosen reward above rejected) and rewards/margins, per sample.
+    EVAL_SUMS = ("loss", "count", "reward_accuracy", "reward_margin")
+
+    def eval_sums(self, model, batch, layout):
+        margin, beta, cp = self.margins(model, batch, layout), self.cfg.training.dpo_beta, layout.cp
+        return {"loss": -F.logsigmoid(beta * margin).sum() / cp, "count": torch.tensor(margin.numel() / cp),
+                "reward_accuracy": (margin > 0).sum() / cp, "reward_margin": (beta * margin).sum() / cp}
 
 
 OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (SFT, DPO)}

@@ -43,13 +43,14 @@ def set_learning_rate(optim, cfg: Config, step: int) -> float:
     return lr
 
 
-def update(params, optim) -> None:
+def update(params, optim) -> float:
     """Sum the gradients over the world (losses were normalised globally, so the sum is the one-process
-    gradient), clip to norm 1, step, and clear them."""
+    gradient), clip to norm 1, step, and clear them; returns the gradient norm before clipping."""
     for p in params:
         if p.grad is None:  # a rank whose rows reached no adapter still takes part in the sum
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad)
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
     optim.step()
     optim.zero_grad(set_to_none=True)
+    return norm.item()

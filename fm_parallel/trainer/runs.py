@@ -27,13 +27,15 @@ __all__ = ["RUN_FILE", "saved_config", "check_run_dir", "clear_run_dir", "config
 
 RUN_FILE = "run.json"
 # What a run writes at the top of its directory (older runs wrote config.json).
-RUN_ENTRIES = {RUN_FILE, "config.json", "metrics.jsonl", "training.png", "checkpoints", "adapter", "base_model"}
+RUN_ENTRIES = {RUN_FILE, "config.json", "metrics.jsonl", "training.png", "checkpoints", "adapter", "base_model",
+               "tensorboard", "wandb"}
 # What must be equal to resume: the model and adapter being trained and the data stream it reads.
 RESUME_KEYS = {
     "model": ("path", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size", "dtype", "lora_rank",
               "lora_alpha", "lora_targets", "attention"),
     "data": ("objective", "path", "tokenizer", "seq_len"),
     "training": ("seed", "grad_accum"),
+    "eval": ("rows", "path"),  # the held-out set (without eval.path its rows are dropped from the training stream)
 }
 CHECKSUMS = "checksums.json"
 
