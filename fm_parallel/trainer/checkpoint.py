@@ -8,6 +8,8 @@ complete one (restore, then skip the rows already trained on).
 
 from __future__ import annotations
 
+import copy
+import json
 from pathlib import Path
 
 import torch
@@ -16,8 +18,14 @@ import torch.distributed as dist
 from fm_parallel.trainer import runs
 from fm_parallel.trainer.config import Config, ConfigError
 from fm_parallel.trainer.export import export_adapter
+from fm_parallel.trainer.optimizer import SCHEDULE_KEYS, learning_rate
 
-__all__ = ["checkpoint_dir", "save", "load", "resume", "publish_adapter"]
+__all__ = ["checkpoint_dir", "save", "load", "resume", "check_schedule", "publish_adapter", "SCHEDULE_FILE"]
+
+# The learning-rate schedule a checkpoint was trained under, beside its tensors (and checksummed with them).
+SCHEDULE_FILE = "schedule.json"
+# The shape of optimizer.learning_rate (a new shape gets a new name, so an old checkpoint's is told apart).
+SCHEDULE_KIND = "linear warm-up, cosine to 0.1 x lr"
 
 
 def checkpoint_dir(cfg: Config, step: int) -> Path:
@@ -37,6 +45,7 @@ def save(cfg: Config, model, optim, step: int, rows_done: int, rows_per_step: in
     rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     torch.save(rng, path / f"rng_rank{dist.get_rank()}.pt")
     if dist.get_rank() == 0:  # LoRA weights are the same on every rank (gradients are all-reduced)
+        (path / SCHEDULE_FILE).write_text(json.dumps(_schedule(cfg), indent=1))
         export_adapter(model, path / "adapter", cfg, tokenizer, step)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -79,6 +88,50 @@ def load(path: Path, model, optim, stop) -> tuple[int, int, int]:
     return step, rows, per_step
 
 
+def _schedule(cfg: Config) -> dict:
+    sections = cfg.to_dict()
+    values = {key: sections[key.split(".")[0]][key.split(".")[1]] for key in SCHEDULE_KEYS}
+    return values | {"schedule": SCHEDULE_KIND}
+
+
+def _saved_schedule(path: Path) -> dict:
+    """The schedule checkpoint ``path`` was trained under: its ``schedule.json``, else (a checkpoint
+    written before it existed) the run's ``run.json``, whose keys are the run's first schedule."""
+    if (path / SCHEDULE_FILE).is_file():
+        try:
+            return json.loads((path / SCHEDULE_FILE).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise runs.CheckpointError(f"--resume: {path / SCHEDULE_FILE} is damaged ({e})") from None
+    saved = runs.saved_config(path.parent.parent) or {}
+    return {key: saved[key.split(".")[0]][key.split(".")[1]] for key in SCHEDULE_KEYS
+            if key.split(".")[1] in saved.get(key.split(".")[0], {})}
+
+
+def check_schedule(cfg: Config, say) -> None:
+    """On ``--resume`` (every rank, before anything is restored): a learning-rate schedule other than
+    the latest checkpoint's (steps, warm-up, peak, kind) would re-stretch the rest of the run
+    silently, so it is refused, naming each key with both values, unless ``training.reschedule``;
+    then one line says what changed and the learning rate the run continues with."""
+    latest = runs.latest_checkpoint(Path(cfg.output.dir)) if cfg.output.resume else None
+    if latest is None:
+        return  # a fresh run, or none to resume (resume() says so)
+    saved, now = _saved_schedule(latest), _schedule(cfg)
+    changed = [key for key in now if key in saved and saved[key] != now[key]]
+    if not changed:
+        return
+    text = "; ".join(f"{key}: {saved[key]!r} -> {now[key]!r}" for key in changed)
+    if not cfg.training.reschedule:
+        raise ConfigError(f"--resume: the learning-rate schedule differs from the one {latest} was trained under: {text}; "
+                          "pass --training.reschedule true to continue under the new schedule, or restore the settings")
+    step = int(latest.name.split("_")[-1]) + 1
+    before = copy.deepcopy(cfg)
+    for key in changed:
+        if key.startswith("training."):
+            setattr(before.training, key.split(".")[1], saved[key])
+    say(f"note: training.reschedule: resuming {latest.name} under a new schedule ({text}); the learning rate at step "
+        f"{step} is {learning_rate(cfg, step):.4g} (the checkpoint's schedule: {learning_rate(before, step):.4g})")
+
+
 def resume(cfg: Config, model, optim, rows_per_step: int, stream, stop, say) -> tuple[int, int, bool]:
     """Restore the latest complete checkpoint of ``output.dir`` and advance ``stream`` past the rows
     it trained on. Returns ``(start, rows_done, interrupted)``: the first step to train, the rows of
@@ -86,6 +139,7 @@ def resume(cfg: Config, model, optim, rows_per_step: int, stream, stop, say) -> 
     stands). A fresh run: ``(0, 0, False)``. ``stop()``: a stop was requested; ``say``: rank 0's print."""
     if not cfg.output.resume:
         return 0, 0, False
+    check_schedule(cfg, say)
     out_dir = Path(cfg.output.dir)
     latest = runs.latest_checkpoint(out_dir)
     if latest is None:

@@ -28,7 +28,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-__all__ = ["Config", "ConfigError", "load_config", "describe"]
+__all__ = ["Config", "ConfigError", "load_config", "describe", "check_before_start"]
 
 
 class ConfigError(ValueError):
@@ -87,6 +87,8 @@ class TrainingConfig:
     grad_accum: int = _key(1, "rows per data-parallel rank per step", low=1)
     loss_chunk: int = _key(1024, "tokens per chunk of the chunked loss (full-vocabulary logits never exist at once)", low=1)
     dpo_beta: float = _key(0.1, "DPO beta", low=0.0, low_open=True)
+    reschedule: bool = _key(False, "on --resume, continue under a learning-rate schedule (steps, warmup, lr) other than "
+                                   "the checkpoint's (said in one line); false: such a resume is refused")
 
 
 _CP_IMPLS = tuple(n for n in backends.names() if n == "auto" or backends.get(n).chunked)
@@ -111,7 +113,8 @@ class ParallelConfig:
 
 @dataclass
 class OutputConfig:
-    dir: str = _key("runs/default", "run directory: metrics, plot, config, checkpoints, adapter")
+    dir: str = _key("runs/default", "run directory: metrics, plot, config, checkpoints, adapter; default with --config "
+                                    "FILE: runs/<FILE's name without .toml>")
     checkpoint_every: int = _key(10, "steps between checkpoints (0: only at the end and on a stop)", low=0)
     log_every: int = _key(1, "steps between progress-bar updates", low=1)
     resume: bool = _key(False, "continue from the latest complete checkpoint in dir (also --resume)")
@@ -273,6 +276,41 @@ def _check_extras(cfg: Config) -> None:
                                   f"pip install 'fm_parallel[{extra}]', or set logging.{key} = false") from None
 
 
+def _head_dim(cfg: Config) -> int | None:
+    """The attention head size: the built Llama's, or ``model.path``'s config.json (None: unknown)."""
+    if not cfg.model.path:
+        return cfg.model.hidden_size // cfg.model.heads
+    import json
+
+    try:
+        hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None  # a missing or odd folder is the trainer's preflight to name
+
+
+def check_before_start(cfg: Config) -> None:
+    """What can be refused before any process group, directory or model exists: the kernel against
+    the device and dtype the run will use (``parallel.impl``), ``model.offload_layers`` against the
+    built Llama's layers. Raises :class:`ConfigError`, the same on every rank."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float64": torch.float64}[cfg.model.dtype]
+    if cfg.model.attention == "flashmask":
+        try:
+            backends.resolve(cfg.parallel.impl or None, device, dtype, _head_dim(cfg))
+        except ValueError as e:
+            raise ConfigError(f"parallel.{e}" if str(e).startswith("impl:") else f"parallel.impl: {e}") from None
+    m = cfg.model
+    if not m.path and m.activation_checkpointing and m.offload_layers > m.layers:
+        raise ConfigError(f"model.offload_layers: expected -1 (all) or 0..{m.layers} (model.layers), got {m.offload_layers}")
+    if not m.activation_checkpointing and m.offload_layers:
+        raise ConfigError(f"model.offload_layers: expected 0 without activation checkpointing, got {m.offload_layers}")
+
+
 def describe() -> str:
     """Every key with its type, default and meaning (the text of ``--help``)."""
     lines = ["configuration keys (TOML [section] key = value, --section.key VALUE, or FM_SECTION__KEY=VALUE):"]
@@ -306,6 +344,7 @@ def load_config(argv: list[str] | None = None, environ: dict | None = None) -> C
             parser.print_help()
         raise SystemExit(0)
     cfg = Config()
+    given: set[str] = set()  # section.key set by the file, the environment or the command line
     if args.config is not None:
         if not args.config.is_file():
             raise ConfigError(f"--config: expected an existing TOML file, got {args.config}")
@@ -321,10 +360,12 @@ def load_config(argv: list[str] | None = None, environ: dict | None = None) -> C
                 raise ConfigError(f"{args.config}: expected [section] tables, got a top-level {section!r}")
             for key, value in values.items():
                 _apply(cfg, section, key, value, str(args.config), from_text=False)
+                given.add(f"{section}.{key}")
     for name, value in sorted((os.environ if environ is None else environ).items()):
         if name.startswith("FM_") and "__" in name:
             section, key = name[3:].lower().split("__", 1)
             _apply(cfg, section, key, value, f"environment {name}", from_text=True)
+            given.add(f"{section}.{key}")
     i = 0
     while i < len(rest):
         token = rest[i]
@@ -337,8 +378,11 @@ def load_config(argv: list[str] | None = None, environ: dict | None = None) -> C
             inline, i = rest[i + 1], i + 1
         section, key = name.split(".", 1)
         _apply(cfg, section, key, inline, "command line", from_text=True)
+        given.add(f"{section}.{key}")
         i += 1
     if args.resume:
         cfg.output.resume = True
+    if args.config is not None and "output.dir" not in given:
+        cfg.output.dir = f"runs/{args.config.stem}"  # each config its own run directory: runs never collide by default
     _check_relations(cfg)
     return cfg

@@ -115,17 +115,17 @@ def test_resume_says_where_and_refuses_a_damaged_checkpoint(finished_run, tmp_pa
 
     out = tmp_path / "damaged"
     shutil.copytree(finished_run, out)
-    proc = trainer(*TINY, "--training.steps", "3", "--output.dir", str(out), "--resume")
+    proc = trainer(*TINY, "--training.steps", "3", "--training.reschedule", "true", "--output.dir", str(out), "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / 'step_000001'} (step 1, 2 rows done)" in proc.stdout
     shards = sorted((out / "checkpoints" / "step_000002").glob("*.distcp"))
     data = bytearray(shards[0].read_bytes())
     data[len(data) // 2] ^= 0x01  # one flipped bit in the tensors
     shards[0].write_bytes(bytes(data))
-    proc = trainer(*TINY, "--training.steps", "4", "--output.dir", str(out), "--resume")
+    proc = trainer(*TINY, "--training.steps", "4", "--training.reschedule", "true", "--output.dir", str(out), "--resume")
     assert_user_error(proc, f"{shards[0]} does not match its checksum")
     (out / "checkpoints" / "step_000002" / "checksums.json").unlink()
-    assert_user_error(trainer(*TINY, "--training.steps", "4", "--output.dir", str(out), "--resume"), "has no checksums.json")
+    assert_user_error(trainer(*TINY, "--training.steps", "4", "--training.reschedule", "true", "--output.dir", str(out), "--resume"), "has no checksums.json")
 
 
 def _inconsistent_progress(rank, world, out):
