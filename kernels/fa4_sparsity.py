@@ -5,7 +5,7 @@ FA4's CuTe kernels (``flash_attn.cute``, pinned ``flash-attn-4==4.0.0b36``) take
 dense index lists: per query block, the count and indices of fully visible key blocks (run without
 ``mask_mod``) and of partial key blocks (run with it); the backward takes the transposed lists, per
 key block. Skipped tiles appear in neither. This module builds both from the same classification as
-our Triton launch plans (:func:`fm_parallel.masks.classify_tiles` via ``plan._classes``), so the two
+our Triton launch plans (:func:`fm_parallel.masks.blocks.tile_classes`), so the two
 backends can never disagree on which tiles a mask visits.
 
 Shapes: forward counts ``[B, H, T_q]`` and indices ``[B, H, T_q, T_k]``; backward counts
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from fm_parallel.masks.blocks import TileClass
+from fm_parallel.masks.blocks import TileClass, tile_classes
 from fm_parallel.masks.flashmask import FlashMask
 
-from .plan import _classes, consecutive_ranges, launch_order, packed_ranges
+from .plan import consecutive_ranges, launch_order, packed_ranges
 
 __all__ = ["BLOCK_Q", "FA4BlockSparsity", "cost_order", "fa4_block_sparsity", "fa4_block_sparsity_consecutive",
            "fa4_tile_shape", "pack_bounds"]
@@ -156,8 +156,7 @@ def fa4_block_sparsity(mask: FlashMask, block_q: int, block_k: int, num_heads: i
     _check_tile_shape(block_q, block_k)
     if positions is None:
         positions = torch.arange(mask.num_rows, device=mask.device)
-    cls = _classes(mask, positions, block_q, block_k)  # [Bm * Hm, T_q, T_k]; ragged last key block never FULL
-    cls = cls.view(mask.batch, mask.heads, *cls.shape[1:])
+    cls = tile_classes(mask, positions, block_q, block_k)  # [Bm, Hm, T_q, T_k]; ragged last key block never FULL
     if (repeat := _head_repeat(mask, num_heads)) > 1:
         cls = cls.repeat_interleave(repeat, dim=1)
     fwd_full_cnt, fwd_full_idx = _lists(cls == TileClass.FULL)

@@ -6,8 +6,11 @@ two lists of *runs* of consecutive blocks, stored CSR-style: the runs whose tile
 neither list, so they cost nothing in the kernel, not even a branch. Typical masks give one or two
 runs per block, so the plan is O(N / block) integers, built once per mask and block shape.
 
-The classification itself is :func:`fm_parallel.masks.classify_tiles`; this module only lays its
-result out for kernels.
+The classification itself is :mod:`fm_parallel.masks.blocks` (:func:`~fm_parallel.masks.blocks.tile_classes`
+for any rows, :func:`~fm_parallel.masks.blocks.consecutive_tile_ranges` and
+:func:`~fm_parallel.masks.blocks.classes_in_ranges` for consecutive rows); this module only lays its
+result out for kernels. The Triton builder (:mod:`.triton_plan`) returns the same arrays, which
+:func:`build_plans_consecutive` lays out here (that module imports nothing from this one).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fm_parallel.masks.blocks import TileClass, classify_tiles, row_block_bounds
+from fm_parallel.masks.blocks import TileClass, classes_in_ranges, consecutive_tile_ranges, tile_classes
 from fm_parallel.masks.flashmask import FlashMask
 
 __all__ = ["BlockSparsePlan", "build_plan", "build_plans", "build_plans_consecutive", "consecutive_ranges", "packed_ranges"]
@@ -58,17 +61,6 @@ def _runs(flag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # nonzero is row-major, so starts and ends pair up run by run.
     runs = torch.stack([torch.nonzero(starts)[:, 1], torch.nonzero(ends)[:, 1] + 1], dim=1)
     return offsets.to(torch.int32), runs.to(torch.int32).contiguous()
-
-
-def _classes(mask: FlashMask, positions: torch.Tensor, block_m: int, block_n: int) -> torch.Tensor:
-    """``[Bm * Hm, Tr, Tc]`` tile classes; a ragged last key block is never full (its missing columns
-    must be masked)."""
-    lo, hi = row_block_bounds(positions, block_m)
-    cls = classify_tiles(mask.block_summary(block_n), lo, hi)  # [Bm, Hm, Tr, Tc]
-    if mask.num_keys % block_n:
-        last = cls[..., -1]
-        cls[..., -1] = torch.where(last == TileClass.FULL, torch.full_like(last, int(TileClass.PARTIAL)), last)
-    return cls.flatten(0, 1)
 
 
 # Cost buckets of the launch order (powers of two of the tiles a block visits): 2^24 tiles is far past
@@ -143,12 +135,12 @@ def build_plan(
 ) -> BlockSparsePlan:
     """Plan for queries at ``positions`` ``[Nq]`` against all ``mask.num_keys`` keys
     (outer = query blocks, or key blocks when ``transposed``)."""
-    return _layout(_classes(mask, positions, block_m, block_n), block_m, block_n, transposed)
+    return _layout(tile_classes(mask, positions, block_m, block_n).flatten(0, 1), block_m, block_n, transposed)
 
 
 def build_plans(mask: FlashMask, positions: torch.Tensor, block_m: int, block_n: int) -> tuple[BlockSparsePlan, BlockSparsePlan]:
     """Both orientations from one classification: (per query block, per key block)."""
-    cls = _classes(mask, positions, block_m, block_n)
+    cls = tile_classes(mask, positions, block_m, block_n).flatten(0, 1)  # [Bm * Hm, T_q, T_k]
     return _layout(cls, block_m, block_n, False), _layout(cls, block_m, block_n, True)
 
 
@@ -162,17 +154,6 @@ def build_plans(mask: FlashMask, positions: torch.Tensor, block_m: int, block_n:
 # plan is the transpose of that, built from the pieces between the breakpoints of neighbouring key
 # blocks. Work and memory: O(T_k * M^2 + runs). The result equals `build_plans` exactly (tested).
 # ----------------------------------------------------------------------------------------------
-
-
-def _class_at(ranges, points: torch.Tensor, tq: int) -> torch.Tensor:
-    """Tile class at query blocks ``points`` ``[R, T_k, K]`` for the ranges ``[R, T_k, M]`` each;
-    -1 outside ``[0, tq)``."""
-    reach_first, reach_last, cover_first, cover_last = (r.unsqueeze(-2) for r in ranges)
-    p = points.unsqueeze(-1)
-    covers = ((cover_first <= p) & (p <= cover_last)).any(-1)
-    reaches = ((reach_first <= p) & (p <= reach_last)).any(-1)
-    cls = torch.where(covers, int(TileClass.FULL), torch.where(reaches, int(TileClass.PARTIAL), int(TileClass.SKIP)))
-    return torch.where((points < 0) | (points >= tq), -1, cls)
 
 
 def _breakpoints(ranges, tq: int) -> torch.Tensor:
@@ -198,7 +179,7 @@ def _per_key_block(ranges, tq: int) -> list[tuple[torch.Tensor, torch.Tensor, to
     points = _breakpoints(ranges, tq)
     first = torch.ones_like(points, dtype=torch.bool)
     first[..., 1:] = points[..., 1:] != points[..., :-1]  # a repeated breakpoint counts once
-    here, before = _class_at(ranges, points, tq), _class_at(ranges, points - 1, tq)
+    here, before = classes_in_ranges(ranges, points, tq), classes_in_ranges(ranges, points - 1, tq)
     tk = points.shape[1]
     out = []
     for cls_value in _CLASSES:
@@ -232,7 +213,7 @@ def _per_query_block(ranges, tq: int, tk: int) -> list[tuple[torch.Tensor, torch
     def pieces(other):
         points = torch.cat([own, _breakpoints(other, tq)], dim=-1).sort(dim=-1).values
         nxt = torch.cat([points[..., 1:], torch.full_like(points[..., :1], tq)], dim=-1)
-        return points, nxt, _class_at(ranges, points, tq), _class_at(other, points, tq)
+        return points, nxt, classes_in_ranges(ranges, points, tq), classes_in_ranges(other, points, tq)
 
     def entries(piece_set, cls_value):
         points, nxt, here, there = piece_set
@@ -263,16 +244,10 @@ _TRITON_MAX_TILES = 8192 * 8192 * 2
 
 
 def consecutive_ranges(mask: FlashMask, row_offset: int, num_rows: int, block_m: int, block_n: int):
-    """``(ranges, tq, tk)``: the tile ranges of consecutive query rows (``[R, T_k, M]`` x 4, the ragged
-    last key block's cover range emptied: it is never FULL, its missing columns need masking)."""
-    from fm_parallel.masks.blocks import tile_ranges
-
-    summary = mask.block_summary(block_n)
-    tq, tk = -(-num_rows // block_m), summary.num_blocks
-    ranges = [x.flatten(0, 1) for x in tile_ranges(summary, row_offset, num_rows, block_m)]  # [R, T_k, M]
-    if mask.num_keys % block_n:
-        ranges[2][:, -1], ranges[3][:, -1] = tq, -1
-    return ranges, tq, tk
+    """``(ranges, tq, tk)``: :func:`fm_parallel.masks.blocks.consecutive_tile_ranges` with the mask
+    rows flattened (``[R, T_k, M]`` x 4, the ragged last key block never FULL)."""
+    ranges, tq, tk = consecutive_tile_ranges(mask, row_offset, num_rows, block_m, block_n)
+    return [x.flatten(0, 1) for x in ranges], tq, tk
 
 
 def packed_ranges(ranges) -> torch.Tensor:
@@ -296,15 +271,22 @@ def build_plans_consecutive(mask: FlashMask, row_offset: int, num_rows: int, blo
     if builder == "triton" or (builder == "auto" and mask.device.type == "cuda" and tq * tk <= _TRITON_MAX_TILES):
         from fm_parallel.kernels.triton_plan import plans_from_ranges
 
-        return plans_from_ranges(packed_ranges(ranges), tq, block_m, block_n)
+        arrays = plans_from_ranges(packed_ranges(ranges), tq, block_m, block_n)
+    else:
+        arrays = (_runs_from_ranges(ranges, tq, tk, False), _runs_from_ranges(ranges, tq, tk, True))
     rows_total = ranges[0].shape[0]
-    plans = []
-    for transposed in (False, True):
-        outer = tk if transposed else tq
-        parts, work = [], torch.zeros(outer, dtype=torch.int64, device=mask.device)
-        for row, start, end in (_per_key_block(ranges, tq) if transposed else _per_query_block(ranges, tq, tk)):
-            parts.append((_offsets(row, rows_total * outer), torch.stack([start, end], 1).to(torch.int32).contiguous()))
-            work.index_add_(0, row % outer, end - start)
-        order = launch_order(work, rows_total)
-        plans.append(BlockSparsePlan(block_m, block_n, transposed, outer, parts[0][0], parts[0][1], parts[1][0], parts[1][1], order))
+    plans = [BlockSparsePlan(block_m, block_n, transposed, tk if transposed else tq, *runs, launch_order(work, rows_total))
+             for transposed, (*runs, work) in zip((False, True), arrays)]
     return plans[0], plans[1]
+
+
+def _runs_from_ranges(ranges, tq: int, tk: int, transposed: bool):
+    """One orientation's ``(full_offsets, full_runs, part_offsets, part_runs, work)`` from the tile
+    ranges in PyTorch (``work`` ``[T_outer]``: tiles visited per outer block, summed over mask rows)."""
+    rows_total = ranges[0].shape[0]
+    outer = tk if transposed else tq
+    parts, work = [], torch.zeros(outer, dtype=torch.int64, device=ranges[0].device)
+    for row, start, end in (_per_key_block(ranges, tq) if transposed else _per_query_block(ranges, tq, tk)):
+        parts.append((_offsets(row, rows_total * outer), torch.stack([start, end], 1).to(torch.int32).contiguous()))
+        work.index_add_(0, row % outer, end - start)
+    return parts[0][0], parts[0][1], parts[1][0], parts[1][1], work

@@ -14,9 +14,11 @@ orientation, one program per (mask row, outer block), scanning the inner blocks 
 2. (host) offsets = cumsum of the counts, one sync for the run totals, the arrays allocated;
 3. write: the same scan, each run's start and end stored at its slot (``cumsum`` inside the chunk).
 
-A tile's class is read from the ranges exactly as :func:`fm_parallel.kernels.plan._class_at` reads
-them (FULL if some slot covers the query block, PARTIAL if some slot reaches it): no second copy of
-the tile rule, which stays in :mod:`fm_parallel.masks.blocks`. Work: M comparisons per tile of the
+A tile's class is read from the ranges as :func:`fm_parallel.masks.blocks.classes_in_ranges` reads
+them (FULL if some slot covers the query block, PARTIAL if some slot reaches it): :func:`_class_at`
+is that reader on the device (a Triton kernel cannot call PyTorch), with the class values of
+:class:`~fm_parallel.masks.blocks.TileClass`; the ranges themselves, and so the tile rule, come
+from :mod:`fm_parallel.masks.blocks`. Work: M comparisons per tile of the
 programs' spans (at most T_q * T_k), on values held in L2 (the ranges are ``16 * M`` bytes per key
 block), no per-tile memory. The result equals the PyTorch builders array for array
 (``tests/kernels/test_triton_plan.py``). :func:`lists_from_ranges` writes FA4's dense lists the same
@@ -29,14 +31,20 @@ import torch
 import triton
 import triton.language as tl
 
+from fm_parallel.masks.blocks import TileClass
+
 __all__ = ["plans_from_ranges", "lists_from_ranges"]
 
 _CHUNK = 1024  # inner blocks per step of a program (a power of two; 4 warps hold 8 per thread)
+# The classes as the kernels compare them (globals a Triton kernel reads must be constexpr).
+_FULL = tl.constexpr(int(TileClass.FULL))
+_PARTIAL = tl.constexpr(int(TileClass.PARTIAL))
+_SKIP = tl.constexpr(int(TileClass.SKIP))
 
 
 @triton.jit
 def _class_at(p_ranges, qb, kb, Tq, Tk, M: tl.constexpr):
-    """Tile class (2 full, 1 partial, 0 skip) of query block ``qb`` x key block ``kb`` (one of them
+    """Tile class (:class:`TileClass` values) of query block ``qb`` x key block ``kb`` (one of them
     a vector), -1 outside the grid. ``p_ranges``: this mask row's ``[4 * M, Tk]`` int32 ranges, field
     ``4 * m + j`` = (reach_first, reach_last, cover_first, cover_last)[j] of slot ``m``."""
     # Both as vectors before comparing (the interpreter mishandles a scalar bool & a vector bool).
@@ -51,7 +59,7 @@ def _class_at(p_ranges, qb, kb, Tq, Tk, M: tl.constexpr):
         cover_last = tl.load(p_ranges + (4 * m + 3) * Tk + kb, mask=inside, other=-1)
         covers = covers | ((cover_first <= qb) & (qb <= cover_last))
         reaches = reaches | ((reach_first <= qb) & (qb <= reach_last))
-    cls = tl.where(covers, 2, tl.where(reaches, 1, 0))
+    cls = tl.where(covers, _FULL, tl.where(reaches, _PARTIAL, _SKIP))
     return tl.where(inside, cls, -1)
 
 
@@ -114,10 +122,10 @@ def _plan_kernel(
         before = _inner_class(p_row, o, i - 1, Tq, Tk, M, TRANSPOSED)
         after = _inner_class(p_row, o, i + 1, Tq, Tk, M, TRANSPOSED)
         work += tl.sum((here > 0).to(tl.int32), 0)
-        full_s = ((here == 2) & (before != 2)).to(tl.int32)
-        full_e = ((here == 2) & (after != 2)).to(tl.int32)
-        part_s = ((here == 1) & (before != 1)).to(tl.int32)
-        part_e = ((here == 1) & (after != 1)).to(tl.int32)
+        full_s = ((here == _FULL) & (before != _FULL)).to(tl.int32)
+        full_e = ((here == _FULL) & (after != _FULL)).to(tl.int32)
+        part_s = ((here == _PARTIAL) & (before != _PARTIAL)).to(tl.int32)
+        part_e = ((here == _PARTIAL) & (after != _PARTIAL)).to(tl.int32)
         if WRITE:
             # k-th start and k-th end of a (row, class) belong to the same run: runs are disjoint
             # and ordered, so separate running slots for starts and ends pair them up across chunks.
@@ -169,17 +177,19 @@ def _offsets(counts: torch.Tensor) -> torch.Tensor:
 
 
 def plans_from_ranges(ranges: torch.Tensor, tq: int, block_m: int, block_n: int):
-    """The (forward, transposed) :class:`~fm_parallel.kernels.plan.BlockSparsePlan` of consecutive
-    query rows from their tile ranges.
+    """The arrays of the (forward, transposed) :class:`~fm_parallel.kernels.plan.BlockSparsePlan` of
+    consecutive query rows from their tile ranges: per orientation ``(full_offsets, full_runs,
+    part_offsets, part_runs, work)``, ``work`` ``[T_outer]`` the tiles each outer block visits summed
+    over the mask rows; :func:`fm_parallel.kernels.plan.build_plans_consecutive` lays them out (and
+    orders them), so this module needs nothing from that one.
 
     Args:
         ranges: ``[R, 4 * M, T_k]`` int32 (R mask rows = ``Bm * Hm``), field ``4 * m + j`` of slot
             ``m`` = (reach_first, reach_last, cover_first, cover_last)[j], inclusive query blocks,
             the ragged-last-key-block rule already applied (its cover range empty).
         tq: number of query blocks.
+        block_m, block_n: the tile shape the ranges were made for (the scan itself needs only the ranges).
     """
-    from fm_parallel.kernels.plan import BlockSparsePlan, launch_order
-
     if ranges.dim() != 3 or ranges.shape[1] % 4 or ranges.dtype != torch.int32:
         raise ValueError(f"ranges: expected [R, 4 * M, T_k] int32, got {list(ranges.shape)} {ranges.dtype}")
     num_rows, fields, tk = ranges.shape
@@ -198,7 +208,7 @@ def plans_from_ranges(ranges: torch.Tensor, tq: int, block_m: int, block_n: int)
         works.append(work)
     offsets = [_offsets(c) for c in counts]  # [2, R * T_outer + 1] each: full, partial
     totals = torch.stack([o[:, -1] for o in offsets]).tolist()  # the one host sync: array sizes
-    plans = []
+    out = []
     for transposed, offs, (n_full, n_part), work, bound in zip((False, True), offsets, totals, works, bounds):
         outer = tk if transposed else tq
         full_runs = torch.empty(n_full, 2, dtype=torch.int32, device=device)
@@ -206,10 +216,8 @@ def plans_from_ranges(ranges: torch.Tensor, tq: int, block_m: int, block_n: int)
         if outer and (n_full or n_part):
             _plan_kernel[(outer, num_rows)](ranges, bound, None, None, offs[0], full_runs, offs[1], part_runs, tq, tk, num_rows,
                                             M=fields // 4, TRANSPOSED=transposed, WRITE=True, CHUNK=_CHUNK)
-        order = launch_order(work.sum(0), num_rows)  # heaviest first, bucket by bucket (plan._layout)
-        plans.append(BlockSparsePlan(block_m, block_n, transposed, outer, offs[0].contiguous(), full_runs,
-                                     offs[1].contiguous(), part_runs, order))
-    return plans[0], plans[1]
+        out.append((offs[0].contiguous(), full_runs, offs[1].contiguous(), part_runs, work.sum(0)))
+    return out[0], out[1]
 
 
 @triton.jit
@@ -226,8 +234,8 @@ def _lists_kernel(p_ranges, p_full_cnt, p_full_idx, p_part_cnt, p_part_idx, Tq, 
     for first in range(0, t_inner, CHUNK):
         i = first + tl.arange(0, CHUNK)
         cls = _inner_class(p_row, o, i, Tq, Tk, M, TRANSPOSED)
-        is_full = (cls == 2).to(tl.int32)
-        is_part = (cls == 1).to(tl.int32)
+        is_full = (cls == _FULL).to(tl.int32)
+        is_part = (cls == _PARTIAL).to(tl.int32)
         tl.store(p_full + n_full + tl.cumsum(is_full, 0) - 1, i, mask=is_full > 0)
         tl.store(p_part + n_part + tl.cumsum(is_part, 0) - 1, i, mask=is_part > 0)
         n_full += tl.sum(is_full, 0)

@@ -1,7 +1,11 @@
 """Block summary of a FlashMask and the tile rule (skip / partial / fully visible).
 
 This module is the only place that decides what a tile of (query rows x key block) is. The PyTorch
-path, the Triton kernel launchers and the ring scheduler all call :func:`classify_tiles`.
+path calls :func:`classify_tiles`; the kernels' launch plans and FA4's block lists
+(``fm_parallel.kernels.plan``, ``.fa4_sparsity``, ``.triton_plan``) take their classes from
+:func:`tile_classes` (any rows) or :func:`consecutive_tile_ranges` + :func:`classes_in_ranges`
+(consecutive rows, without the dense tile grid). The ring scheduler does not classify tiles: it
+skips a transfer from the exact pair counts (``fm_parallel.distributed.sharding.pair_counts``).
 
 For key block ``c`` (columns ``c*Bc .. c*Bc+Bc-1``) and interval slot ``m`` the summary keeps
 ``min/max`` of ``fms`` and ``fme`` over the block's columns. For rows ``[r_lo, r_hi]``:
@@ -14,6 +18,11 @@ For key block ``c`` (columns ``c*Bc .. c*Bc+Bc-1``) and interval slot ``m`` the 
 
 Both tests are conservative, so a partial tile may in truth be empty or full, never the converse.
 Rows need not be contiguous: a block of zigzag positions is summarised by its min and max row.
+
+For the kernels, a ragged last key block (``Nk % Bc != 0``) is never **full**: its missing columns
+must be masked in registers. :func:`tile_classes` and :func:`consecutive_tile_ranges` read such a
+block as if its missing columns were empty columns (``_kernel_summary``), so the grid and the range
+forms apply that amendment in one place.
 
 With several intervals per column, slot ``m`` of one column and slot ``m`` of the next need not be
 alike (sinks or global tokens merge into one interval in some columns and not in others), so a tile
@@ -28,11 +37,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from fm_parallel.masks.flashmask import FlashMask
+if TYPE_CHECKING:  # annotations only: flashmask.py imports this module (lazily) for block_summary
+    from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["tile_ranges", "TileClass", "BlockSummary", "summarize", "classify_tiles", "row_block_bounds", "count_tiles"]
+__all__ = ["tile_ranges", "TileClass", "BlockSummary", "summarize", "classify_tiles", "row_block_bounds", "count_tiles",
+           "tile_classes", "consecutive_tile_ranges", "classes_in_ranges"]
 
 
 class TileClass(IntEnum):
@@ -106,8 +119,62 @@ def classify_tiles(summary: BlockSummary, row_lo: torch.Tensor, row_hi: torch.Te
     min_fme, max_fme = summary.min_fme.unsqueeze(2), summary.max_fme.unsqueeze(2)
     reaches = (min_fms <= hi) & (max_fme >= lo)
     covers = (max_fms <= lo) & (min_fme >= hi)
-    cls = reaches.any(-1).to(torch.int8)  # PARTIAL where reached, SKIP elsewhere
-    return torch.where(covers.any(-1), torch.full_like(cls, int(TileClass.FULL)), cls)
+    return _class_of(covers.any(-1), reaches.any(-1))
+
+
+def _class_of(covers: torch.Tensor, reaches: torch.Tensor) -> torch.Tensor:
+    """int8 :class:`TileClass`: FULL where some slot covers the tile, PARTIAL where some slot reaches
+    it (and none covers), SKIP elsewhere. The one combination every form of the rule ends in."""
+    cls = reaches.to(torch.int8)
+    return torch.where(covers, torch.full_like(cls, int(TileClass.FULL)), cls)
+
+
+def _kernel_summary(mask: FlashMask, block: int) -> BlockSummary:
+    """The block summary as the kernels read it: a ragged last key block reduced as if its missing
+    columns held the canonical empty interval ``(num_rows, -1)``, so ``max_fms = num_rows`` and
+    ``min_fme = -1`` there. No tile of it is then FULL (the kernels mask those columns), and it is
+    reached exactly as before (an empty interval reaches nothing). Cached on the mask."""
+    summary = mask.block_summary(block)
+    if mask.num_keys % block == 0:
+        return summary
+
+    def make() -> BlockSummary:
+        max_fms, min_fme = summary.max_fms.clone(), summary.min_fme.clone()
+        max_fms[:, :, -1] = mask.num_rows
+        min_fme[:, :, -1] = -1
+        return BlockSummary(block=block, num_keys=summary.num_keys, min_fms=summary.min_fms, max_fms=max_fms,
+                            min_fme=min_fme, max_fme=summary.max_fme)
+
+    return mask.cached(("kernel_summary", block), make)
+
+
+def tile_classes(mask: FlashMask, positions: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
+    """The kernels' tile classes: ``[B, Hm, Tr, Tc]`` int8 :class:`TileClass` of each tile of
+    ``block_q`` queries (at global rows ``positions`` ``[Nq]``, any order) x ``block_k`` key columns,
+    from the column bounds; a ragged last key block is never FULL (module docstring)."""
+    lo, hi = row_block_bounds(positions, block_q)
+    return classify_tiles(_kernel_summary(mask, block_k), lo, hi)
+
+
+def consecutive_tile_ranges(mask: FlashMask, row_offset: int, num_rows: int, block_q: int,
+                            block_k: int) -> tuple[tuple[torch.Tensor, ...], int, int]:
+    """:func:`tile_ranges` as the kernels read them (a ragged last key block never FULL), for the
+    consecutive rows ``row_offset .. row_offset + num_rows - 1``: ``(ranges, tq, tk)`` with ranges
+    ``(reach_first, reach_last, cover_first, cover_last)``, each ``[B, Hm, T_k, S]`` int64, and the
+    numbers of query and key blocks. Read them with :func:`classes_in_ranges`."""
+    summary = _kernel_summary(mask, block_k)
+    return tile_ranges(summary, row_offset, num_rows, block_q), -(-num_rows // block_q), summary.num_blocks
+
+
+def classes_in_ranges(ranges, query_blocks: torch.Tensor, tq: int) -> torch.Tensor:
+    """Tile classes read from tile ranges: ``[..., T_k, K]`` int8 at the query blocks ``query_blocks``
+    ``[..., T_k, K]`` (``K`` points per key block) for ranges ``[..., T_k, S]`` each; -1 outside
+    ``[0, tq)``. Equals :func:`classify_tiles` on those tiles (tested)."""
+    reach_first, reach_last, cover_first, cover_last = (r.unsqueeze(-2) for r in ranges)
+    p = query_blocks.unsqueeze(-1)
+    covers = ((cover_first <= p) & (p <= cover_last)).any(-1)
+    reaches = ((reach_first <= p) & (p <= reach_last)).any(-1)
+    return torch.where((query_blocks < 0) | (query_blocks >= tq), -1, _class_of(covers, reaches))
 
 
 def tile_ranges(summary: BlockSummary, offset: int, num_rows: int, block: int) -> tuple[torch.Tensor, ...]:
