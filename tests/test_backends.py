@@ -1,10 +1,9 @@
-"""The backend registry's public surface: names, get, and the deprecated launcher view kept for code
-written against it (it delegates, it does not resolve on its own)."""
+"""The backend registry's public surface: names, get and the chunked resolver (the deprecated `launchers` view is gone)."""
 
 import pytest
 import torch
 
-from fm_parallel import backends, launchers, masks
+from fm_parallel import backends, masks
 from tests.helpers import qkv
 
 
@@ -16,19 +15,18 @@ def test_names_and_get():
         backends.get("auto")  # a resolved name is expected
 
 
-def test_the_deprecated_launchers_delegate_to_the_registry():
+def test_the_chunked_resolver_and_launchers_are_the_registrys():
+    """What the removed fm_parallel.launchers view offered, through the registry itself."""
     cpu = torch.device("cpu")
-    assert launchers.LOCAL_IMPLS == ("cute", "triton", "torch")
-    assert launchers.resolve(None, cpu) == launchers.default_impl(cpu) == backends.resolve("auto", cpu, chunked=True)
+    assert tuple(n for n in backends.names() if n != "auto" and backends.get(n).chunked) == ("cute", "triton", "torch")
     with pytest.raises(ValueError, match="impl: 'dense' runs only where the whole mask is local"):
-        launchers.resolve("dense", cpu)
+        backends.resolve("dense", cpu, chunked=True)
     q, k, v = qkv(1, 2, 1, 32, 8, torch.float64, seed=1)
     m, rows = masks.document([12, 20]), torch.arange(32)
-    got = launchers.forward(q, k, v, m, rows, 0.3, "torch")
+    impl = backends.resolve("auto", cpu, chunked=True)
+    got = backends.get(impl).forward(q, k, v, m, rows, 0.3)
     want = backends.get("torch").forward(q, k, v, m, rows, 0.3)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    with pytest.raises(ValueError, match="resolve 'auto' first"):
-        launchers.forward(q, k, v, m, rows, 0.3, "auto")
 
 
 def test_context_parallel_refuses_an_unknown_kernel_name_when_built():

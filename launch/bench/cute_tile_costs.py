@@ -29,10 +29,10 @@ from launch.bench.kernel import MASKS, bench, build  # noqa: E402
 
 def lists_for(mask, mode: str, heads: int, d: int):
     """FA4's (forward, backward) lists of ``mask`` with the tile classes changed by ``mode``."""
-    from fm_parallel.kernels import fa4_sparsity, plan
+    from fm_parallel.kernels import fa4_sparsity
     from fm_parallel.masks.blocks import TileClass
 
-    classes = plan._classes
+    classes = fa4_sparsity.tile_classes
 
     def changed(*args, **kwargs):
         cls = classes(*args, **kwargs).clone()
@@ -42,11 +42,11 @@ def lists_for(mask, mode: str, heads: int, d: int):
             cls[cls == int(TileClass.FULL)] = int(TileClass.PARTIAL)
         return cls
 
-    fa4_sparsity._classes = changed
+    fa4_sparsity.tile_classes = changed
     try:
         fwd, bwd = fa4_sparsity.fa4_block_sparsity(mask, *fa4_sparsity.fa4_tile_shape(d), heads)
     finally:
-        fa4_sparsity._classes = classes
+        fa4_sparsity.tile_classes = classes
     full = int(fwd.full_block_cnt.sum()) // fwd.full_block_cnt.shape[1]
     partial = int(fwd.mask_block_cnt.sum()) // fwd.mask_block_cnt.shape[1]
     orders = (fa4_sparsity.cost_order(fwd), fa4_sparsity.cost_order(bwd))
