@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from fm_parallel.distributed.comm import RankFailure
 from fm_parallel.trainer import checkpoint, metrics, parallel, runs
-from fm_parallel.trainer.config import Config, ConfigError, load_config
+from fm_parallel.trainer.config import Config, ConfigError, check_before_start, load_config
 from fm_parallel.trainer.data import DataError
 from fm_parallel.trainer.export import save_base_model
 from fm_parallel.trainer.model import build_model, build_tokenizer, preflight
@@ -49,6 +49,7 @@ def train(cfg: Config) -> dict:
 
 
 def _train(cfg: Config, stopped) -> dict:
+    check_before_start(cfg)  # the kernel against the device, ...: refused before anything is created
     tokenizer = build_tokenizer(cfg)
     preflight(cfg, tokenizer, stopped)
     held = metrics.HeldOut(cfg, make_objective(cfg), tokenizer)  # the eval rows, checked before anything starts
@@ -131,7 +132,9 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("FM_TRACEBACK"):
             raise
         if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            from tqdm import tqdm
+
+            tqdm.write(f"error: {e}", file=sys.stderr)  # on its own line, never glued to a progress bar
         raise SystemExit(2) from None
     finally:
         if dist.is_initialized():
