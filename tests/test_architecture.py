@@ -1,0 +1,136 @@
+"""The library's import structure, read statically with ast (nothing is imported):
+
+* no import circle among the modules of ``fm_parallel/`` and ``kernels/`` (= ``fm_parallel.kernels``),
+  counting imports inside functions too (a lazy import still ties two modules), but not those under
+  ``if TYPE_CHECKING:`` (annotations only);
+* no script under ``launch/`` takes a private name (``_x``) from ``fm_parallel``;
+* nothing in the tree imports a top-level ``kernels`` (our folder is only ``fm_parallel.kernels``);
+* the deprecated ``fm_parallel.launchers`` view is gone.
+"""
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"fm_parallel": ROOT / "fm_parallel", "fm_parallel.kernels": ROOT / "kernels"}
+SKIP_DIRS = {".git", "build", "venv", ".venv", "node_modules"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg, folder in PACKAGES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if pkg == "fm_parallel" and parts[:1] == ("kernels",):
+                continue  # a build copy of kernels/, if one exists
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join((pkg, *parts))] = path
+    return out
+
+
+def _imports(tree: ast.AST):
+    """Every Import / ImportFrom node, skipping the bodies of ``if TYPE_CHECKING:``."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            for child in node.orelse:
+                yield from _imports(ast.Module(body=[child], type_ignores=[]))
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        yield from _imports(node)
+
+
+def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    anchor = package[: len(package) - node.level + 1]
+    return ".".join(anchor + ([node.module] if node.module else []))
+
+
+def _graph() -> nx.DiGraph:
+    mods = _modules()
+
+    def owner(name: str) -> str | None:  # the most specific of our modules that `name` loads
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = nx.DiGraph()
+    for module, path in mods.items():
+        graph.add_node(module)
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = _absolute(node, module, path.name == "__init__.py")
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            for target in filter(None, map(owner, targets)):
+                if target != module:
+                    graph.add_edge(module, target, line=node.lineno)
+    return graph
+
+
+def _python_files():
+    for path in sorted(ROOT.rglob("*.py")):
+        if not SKIP_DIRS.intersection(path.relative_to(ROOT).parts[:-1]) and "egg-info" not in str(path):
+            yield path
+
+
+def test_the_graph_sees_lazy_and_relative_imports():
+    graph = _graph()
+    assert graph.has_edge("fm_parallel.kernels.fa4_sparsity", "fm_parallel.kernels.plan")  # relative
+    assert graph.has_edge("fm_parallel.kernels.plan", "fm_parallel.kernels.triton_plan")  # inside a function
+    assert graph.has_edge("fm_parallel.masks.flashmask", "fm_parallel.masks.blocks")  # lazy, in block_summary
+    assert not graph.has_edge("fm_parallel.masks.blocks", "fm_parallel.masks.flashmask")  # TYPE_CHECKING only
+
+
+def test_no_import_circles_in_the_library():
+    graph = _graph()
+    cycles = []
+    for cycle in nx.simple_cycles(graph, length_bound=6):
+        hops = [f"{a} (line {graph.edges[a, b]['line']})" for a, b in zip(cycle, cycle[1:] + cycle[:1])]
+        cycles.append(" -> ".join(hops + [cycle[0]]))
+    assert not cycles, "import circles:\n" + "\n".join(sorted(cycles))
+
+
+def test_launch_scripts_use_public_names_of_the_library_only():
+    found = []
+    for path in sorted((ROOT / "launch").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        library_modules = set()  # local names bound to fm_parallel modules: `plan._classes` counts too
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "fm_parallel" and not node.level:
+                for alias in node.names:
+                    if alias.name.startswith("_"):
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} from {node.module} import {alias.name}")
+                    library_modules.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.split(".")[0] == "fm_parallel":
+                        if any(part.startswith("_") and not part.startswith("__") for part in alias.name.split(".")):
+                            found.append(f"{path.relative_to(ROOT)}:{node.lineno} import {alias.name}")
+                        library_modules.add(alias.asname or alias.name.split(".")[0])
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id in library_modules):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value.id}.{node.attr}")
+    assert not found, "private library names used under launch/:\n" + "\n".join(found)
+
+
+def test_nothing_imports_a_top_level_kernels():
+    found = []
+    for path in _python_files():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.split(".")[0] == "kernels"]
+    assert not found, "top-level `kernels` imports (use fm_parallel.kernels):\n" + "\n".join(found)
+
+
+def test_the_deprecated_launchers_view_is_gone():
+    assert not (ROOT / "fm_parallel" / "launchers.py").exists()
+    assert "fm_parallel.launchers" not in _modules()
