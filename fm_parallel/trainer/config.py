@@ -87,6 +87,8 @@ class TrainingConfig:
     grad_accum: int = _key(1, "rows per data-parallel rank per step", low=1)
     loss_chunk: int = _key(1024, "tokens per chunk of the chunked loss (full-vocabulary logits never exist at once)", low=1)
     dpo_beta: float = _key(0.1, "DPO beta", low=0.0, low_open=True)
+    reschedule: bool = _key(False, "on --resume, continue under a learning-rate schedule (steps, warmup, lr) other than "
+                                   "the checkpoint's (said in one line); false: such a resume is refused")
 
 
 _CP_IMPLS = tuple(n for n in backends.names() if n == "auto" or backends.get(n).chunked)
