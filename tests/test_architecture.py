@@ -11,8 +11,6 @@
 import ast
 from pathlib import Path
 
-import networkx as nx
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"fm_parallel": ROOT / "fm_parallel", "fm_parallel.kernels": ROOT / "kernels"}
 SKIP_DIRS = {".git", "build", "venv", ".venv", "node_modules"}
@@ -51,7 +49,8 @@ def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
     return ".".join(anchor + ([node.module] if node.module else []))
 
 
-def _graph() -> nx.DiGraph:
+def _graph() -> dict[str, dict[str, int]]:
+    """module -> {module it imports: line of the first such import}."""
     mods = _modules()
 
     def owner(name: str) -> str | None:  # the most specific of our modules that `name` loads
@@ -59,9 +58,9 @@ def _graph() -> nx.DiGraph:
             name = name.rpartition(".")[0]
         return name or None
 
-    graph = nx.DiGraph()
+    graph: dict[str, dict[str, int]] = {}
     for module, path in mods.items():
-        graph.add_node(module)
+        edges = graph.setdefault(module, {})
         for node in _imports(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -70,7 +69,7 @@ def _graph() -> nx.DiGraph:
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
             for target in filter(None, map(owner, targets)):
                 if target != module:
-                    graph.add_edge(module, target, line=node.lineno)
+                    edges.setdefault(target, node.lineno)
     return graph
 
 
@@ -80,21 +79,62 @@ def _python_files():
             yield path
 
 
+def _cycles(graph: dict[str, dict[str, int]]) -> set[tuple[str, ...]]:
+    """Every circle a depth-first walk closes (each once, rotated to start at its smallest module)."""
+    found, done = set(), set()
+
+    def walk(node, stack, on_stack):
+        for nxt in graph.get(node, {}):
+            if nxt in on_stack:
+                cycle = stack[stack.index(nxt):]
+                i = cycle.index(min(cycle))
+                found.add(tuple(cycle[i:] + cycle[:i]))
+            elif nxt not in done:
+                stack.append(nxt), on_stack.add(nxt)
+                walk(nxt, stack, on_stack)
+                stack.pop(), on_stack.discard(nxt)
+        done.add(node)
+
+    for start in sorted(graph):
+        if start not in done:
+            walk(start, [start], {start})
+    return found
+
+
+def test_the_cycle_finder_finds_circles():
+    assert _cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == {("a", "b", "c")}
+    assert _cycles({"a": {"b": 1}, "b": {}, "c": {"b": 1}}) == set()
+
+
+def has_edge(graph, a, b) -> bool:
+    return b in graph.get(a, {})
+
+
 def test_the_graph_sees_lazy_and_relative_imports():
     graph = _graph()
-    assert graph.has_edge("fm_parallel.kernels.fa4_sparsity", "fm_parallel.kernels.plan")  # relative
-    assert graph.has_edge("fm_parallel.kernels.plan", "fm_parallel.kernels.triton_plan")  # inside a function
-    assert graph.has_edge("fm_parallel.masks.flashmask", "fm_parallel.masks.blocks")  # lazy, in block_summary
-    assert not graph.has_edge("fm_parallel.masks.blocks", "fm_parallel.masks.flashmask")  # TYPE_CHECKING only
+    assert has_edge(graph, "fm_parallel.kernels.fa4_sparsity", "fm_parallel.kernels.plan")  # relative
+    assert has_edge(graph, "fm_parallel.kernels.plan", "fm_parallel.kernels.triton_plan")  # inside a function
+    assert has_edge(graph, "fm_parallel.masks.flashmask", "fm_parallel.masks.blocks")  # lazy, in block_summary
+    assert not has_edge(graph, "fm_parallel.masks.blocks", "fm_parallel.masks.flashmask")  # TYPE_CHECKING only
 
 
 def test_no_import_circles_in_the_library():
     graph = _graph()
     cycles = []
-    for cycle in nx.simple_cycles(graph, length_bound=6):
-        hops = [f"{a} (line {graph.edges[a, b]['line']})" for a, b in zip(cycle, cycle[1:] + cycle[:1])]
+    for cycle in map(list, _cycles(graph)):
+        hops = [f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:] + cycle[:1])]
         cycles.append(" -> ".join(hops + [cycle[0]]))
     assert not cycles, "import circles:\n" + "\n".join(sorted(cycles))
+
+
+# Scripts that still reach into private names: GPU diagnostics and kernel-tuning scripts that the
+# benchmark catalogue of issue 32.3 is to keep (through public hooks), fold or delete. The list may only
+# shrink: a script not on it that takes a private name fails, and so does a listed one that no longer does.
+PRIVATE_NAMES_PENDING_32_3 = {
+    "launch/bench/cp_layer_cost.py", "launch/bench/cpu_attention.py", "launch/bench/cute_compile_check.py",
+    "launch/bench/cute_tile_costs.py", "launch/bench/host_overhead.py", "launch/bench/triton_bwd.py",
+    "launch/bench/triton_static.py", "launch/bench/tune_triton.py",
+}
 
 
 def test_launch_scripts_use_public_names_of_the_library_only():
@@ -118,7 +158,11 @@ def test_launch_scripts_use_public_names_of_the_library_only():
             if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
                     and isinstance(node.value, ast.Name) and node.value.id in library_modules):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value.id}.{node.attr}")
-    assert not found, "private library names used under launch/:\n" + "\n".join(found)
+    offenders = {line.split(":")[0] for line in found}
+    new = [line for line in found if line.split(":")[0] not in PRIVATE_NAMES_PENDING_32_3]
+    assert not new, "private library names used under launch/:\n" + "\n".join(new)
+    cleaned = PRIVATE_NAMES_PENDING_32_3 - offenders
+    assert not cleaned, f"no longer take private names (remove from PRIVATE_NAMES_PENDING_32_3): {sorted(cleaned)}"
 
 
 def test_nothing_imports_a_top_level_kernels():

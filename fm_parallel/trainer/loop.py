@@ -140,14 +140,3 @@ def main(argv: list[str] | None = None) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
-# The names tests and scripts imported before the split; the public ones live in the modules above.
-from fm_parallel.logprobs import token_logps as _token_logps  # noqa: E402
-from fm_parallel.trainer.checkpoint import load as _load, save as _save  # noqa: E402
-from fm_parallel.trainer.model import hidden as _hidden  # noqa: E402
-from fm_parallel.trainer.objectives import chunked as _chunked  # noqa: E402
-from fm_parallel.trainer.parallel import init_distributed as _init_distributed  # noqa: E402
-
-
-def _build_model(cfg: Config, vocab_size: int, device, base_dir: Path | None = None):
-    return build_model(cfg, vocab_size, device, save_base=(lambda b: save_base_model(b, base_dir)) if base_dir else None)

@@ -80,9 +80,9 @@ def _config(shape: str, impl: str, args):
 
 def _model(shape: str, impl: str, device, args):
     """The trainer's own model build (random weights, LoRA r16 on q/k/v/o, per-layer checkpointing)."""
-    from fm_parallel.trainer.loop import _build_model
+    from fm_parallel.trainer.model import build_model
 
-    return _build_model(_config(shape, impl, args), SHAPES[shape]["vocab"], device)
+    return build_model(_config(shape, impl, args), SHAPES[shape]["vocab"], device)
 
 
 class OffloadPlanner:
@@ -121,7 +121,8 @@ def _step(model, impl: str, n: int, device, args) -> float:
     import torch.nn.functional as F
 
     from fm_parallel import masks
-    from fm_parallel.trainer.loop import _chunked, _hidden
+    from fm_parallel.trainer.model import hidden as decoder_hidden
+    from fm_parallel.trainer.objectives import chunked
 
     mask = masks.document(masks.sample_lengths(n)).to(device)
     vocab = model.get_base_model().config.vocab_size
@@ -131,10 +132,10 @@ def _step(model, impl: str, n: int, device, args) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    hidden = _hidden(model, ids, torch.arange(n, device=device).view(1, n), mask, None, "auto")
+    hidden = decoder_hidden(model, ids, torch.arange(n, device=device).view(1, n), mask, None, "auto")
     head = model.get_base_model().lm_head
-    loss = _chunked(head, hidden, labels, args.loss_chunk,
-                    lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")) / n
+    loss = chunked(head, hidden, labels, args.loss_chunk,
+                   lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")) / n
     loss.backward()
     optim.step()
     optim.zero_grad(set_to_none=True)

@@ -74,7 +74,7 @@ def test_offload_layers_is_validated(tmp_path):
 
     cfg = load_config(["--model.layers", "2", "--model.offload_layers", "3", "--parallel.cp", "none",
                        "--output.dir", str(tmp_path)], environ={})
-    with pytest.raises(ValueError, match=r"offload_layers: expected -1 \(all\) or 0..2, got 3"):
+    with pytest.raises(ValueError, match=r"model.offload_layers: expected -1 \(all\) or 0..2 \(model.layers\), got 3"):
         train(cfg)  # against the built model's layer count (a model.path model's is known only once loaded)
     with pytest.raises(ValueError, match=r"offload_layers: expected a value >= 0 or -1, got -2"):
         load_config(["--model.offload_layers", "-2"], environ={})  # the key's own range: at load
@@ -122,7 +122,7 @@ def test_tiled_gives_the_same_losses(tmp_path):
 def _saved_bytes_per_token(tile_chunk: int, n: int = 1024, dtype: str = "float32") -> float:
     """Bytes the forward of the decoder saves for the backward, per token and layer (no outer checkpoint)."""
     from fm_parallel.trainer.config import load_config
-    from fm_parallel.trainer.loop import _build_model, _hidden
+    from fm_parallel.trainer.model import build_model as _build_model, hidden as _hidden
 
     cfg = load_config(["--model.hidden_size", "64", "--model.layers", "2", "--model.intermediate_size", "256",
                        "--model.activation_checkpointing", "false", "--model.tile_chunk", str(tile_chunk),

@@ -132,7 +132,8 @@ def _inconsistent_progress(rank, world, out):
     from fm_parallel.trainer import runs
     from fm_parallel.trainer.config import load_config
     from fm_parallel.trainer.data import ByteTokenizer
-    from fm_parallel.trainer.loop import _build_model, _load, _save
+    from fm_parallel.trainer.checkpoint import load as _load, save as _save
+    from fm_parallel.trainer.model import build_model as _build_model
 
     cfg = load_config(TINY + ["--output.dir", out], environ={})
     model = _build_model(cfg, 258, torch.device("cpu"))
@@ -174,7 +175,7 @@ def test_the_peft_adapter_reproduces_the_trained_model(finished_run, tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    from fm_parallel.trainer.loop import _build_model
+    from fm_parallel.trainer.model import build_model as _build_model
 
     trained = _build_model(cfg, 258, torch.device("cpu"))
     state = {"model": get_model_state_dict(trained, options=StateDictOptions(ignore_frozen_params=True))}

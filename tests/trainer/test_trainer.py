@@ -50,7 +50,7 @@ def test_sft_rows_labels_stay_inside_documents():
 
 def test_dpo_mask_keeps_chosen_and_rejected_apart():
     from fm_parallel.integrations import transformers as fm_hf
-    from fm_parallel.trainer.loop import _token_logps
+    from fm_parallel.logprobs import token_logps as _token_logps
     from tests.integrations.test_transformers import tiny_llama
 
     row = next(dpo_rows(512, ByteTokenizer()))
@@ -141,7 +141,7 @@ def test_a_leaked_world_size_of_one_is_not_a_launch():
 
     code = ("import os; os.environ.update(WORLD_SIZE='1', RANK='0', LOCAL_RANK='0', LOCAL_WORLD_SIZE='1', MASTER_PORT='29500'); "
             "os.environ.pop('MASTER_ADDR', None); "
-            "from fm_parallel.trainer.loop import _init_distributed; _init_distributed(5.0); "
+            "from fm_parallel.trainer.parallel import init_distributed; init_distributed(5.0); "
             "import torch.distributed as d; print(d.get_world_size(), d.get_rank())")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
