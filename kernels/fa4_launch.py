@@ -258,8 +258,11 @@ def _storages(objects) -> dict[int, torch.Tensor]:
             for y in vars(x).values():
                 visit(y, depth + 1)
 
-    visit(objects)
-    return found
+    try:
+        visit(objects)
+        return found
+    finally:
+        del visit  # the recursive closure's cycle would hold the tensors found (see _make)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -314,45 +317,56 @@ def _program(watch: _Watch, inputs, keep) -> list:
         return ("const", x)
 
     program = []
-    for step in watch.steps:
-        if step[0] == "alloc":
-            t, value = step[1], step[2]
-            program.append(("alloc", (tuple(t.shape), t.stride(), t.dtype, t.device), value))
-        elif step[0] == "fill":
-            ref = tensor_ref(step[1])
-            if ref[0] != "tmp":
-                raise _Refused("a fill of a tensor FA4 did not allocate")
-            program.append(("fill", ref, step[2]))
-        else:
-            _, fn, args, kwargs = step
-            program.append(("call", fn, [plan(a) for a in args], {k: plan(v) for k, v in kwargs.items()}))
+    try:
+        for step in watch.steps:
+            if step[0] == "alloc":
+                t, value = step[1], step[2]
+                program.append(("alloc", (tuple(t.shape), t.stride(), t.dtype, t.device), value))
+            elif step[0] == "fill":
+                ref = tensor_ref(step[1])
+                if ref[0] != "tmp":
+                    raise _Refused("a fill of a tensor FA4 did not allocate")
+                program.append(("fill", ref, step[2]))
+            else:
+                _, fn, args, kwargs = step
+                program.append(("call", fn, [plan(a) for a in args], {k: plan(v) for k, v in kwargs.items()}))
+    finally:
+        del plan, tensor_ref  # recursive closures: their cycle would hold the recorded call's tensors (see _make)
     return program
 
 
 # --- replay ----------------------------------------------------------------------------------------
 
 
+# Why module-level helpers, not nested functions: a nested function that calls itself (a recursive
+# ``make``) sits in a reference cycle with its closure, which then holds the call's tensors (inputs,
+# temporaries) until Python's cyclic GC happens to run. In a training step that kept every layer's
+# attention output and backward temporaries alive together (the 1B trainer at 32k peaked at 20.7 GiB
+# with the replay against 6.4 GiB without it, on the H200): every call here frees its tensors on return.
+
+
+def _view(base: torch.Tensor, shape, stride, delta) -> torch.Tensor:
+    if delta == 0 and tuple(base.shape) == shape and base.stride() == stride:
+        return base
+    return base.as_strided(shape, stride, base.storage_offset() + delta)
+
+
+def _make(p, inputs: list, temps: list):
+    kind = p[0]
+    if kind == "const":
+        return p[1]
+    if kind == "in":
+        return _view(inputs[p[1]], *p[2:])
+    if kind == "tmp":
+        return _view(temps[p[1]], *p[2:])
+    items = [_make(q, inputs, temps) for q in p[2]]
+    cls = p[1]
+    return cls(*items) if hasattr(cls, "_fields") else cls(items)  # NamedTuple, or tuple / list
+
+
 def _replay(program: list, inputs) -> None:
     inputs = [t.detach() if t is not None and t.requires_grad else t for t in inputs]
     temps: list[torch.Tensor] = []
-
-    def view(base: torch.Tensor, shape, stride, delta) -> torch.Tensor:
-        if delta == 0 and tuple(base.shape) == shape and base.stride() == stride:
-            return base
-        return base.as_strided(shape, stride, base.storage_offset() + delta)
-
-    def make(p):
-        kind = p[0]
-        if kind == "const":
-            return p[1]
-        if kind == "in":
-            return view(inputs[p[1]], *p[2:])
-        if kind == "tmp":
-            return view(temps[p[1]], *p[2:])
-        items = [make(q) for q in p[2]]
-        cls = p[1]
-        return cls(*items) if hasattr(cls, "_fields") else cls(items)  # NamedTuple, or tuple / list
-
     for step in program:
         if step[0] == "alloc":
             (shape, stride, dtype, device), value = step[1], step[2]
@@ -361,7 +375,7 @@ def _replay(program: list, inputs) -> None:
                 t.fill_(value)
             temps.append(t)
         elif step[0] == "fill":
-            make(step[1]).fill_(step[2])
+            _make(step[1], inputs, temps).fill_(step[2])
         else:
             _, fn, args, kwargs = step
-            fn(*[make(a) for a in args], **{k: make(v) for k, v in kwargs.items()})
+            fn(*[_make(a, inputs, temps) for a in args], **{k: _make(v, inputs, temps) for k, v in kwargs.items()})
