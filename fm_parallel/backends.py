@@ -98,9 +98,9 @@ class Backend:
 _REGISTRY: dict[str, Backend] = {}
 _LOADED: dict = {}  # backend name -> imported module
 _logged: set[str] = set()
-# What impl="auto" tries on CUDA, in order. "cute" passed launch/bench/verify_gpu.py on the H200 (every
+# What impl="auto" tries on CUDA, in order. "cute" passed tests/gpu/test_kernels.py on the H200 (every
 # family, GQA, D 64-256, fp16, ring chunks, zigzag rows, lse gradients) and under context parallelism
-# (launch/bench/verify_multi_gpu.py --shared-gpu, 144/144); it is the faster backend there (docs/benchmarks/README.md) and is
+# (tests/gpu/multi_gpu.py --shared-gpu, 144/144); it is the faster backend there (docs/benchmarks/README.md) and is
 # skipped when a reproducible backward is required.
 AUTO_ORDER_CUDA = ("cute", "triton")
 

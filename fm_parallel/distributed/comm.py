@@ -58,7 +58,7 @@ class RingComm:
         On gloo, GPU tensors travel through host copies (gloo moves host memory): the sends are
         copied to the host here, the receives land in host buffers copied to the device by
         :meth:`wait`. That lets P processes that share one GPU run the real ring
-        (``launch/bench/verify_multi_gpu.py --shared-gpu``); NCCL moves device memory directly."""
+        (``tests/gpu/multi_gpu.py --shared-gpu``); NCCL moves device memory directly."""
         copies = []
         if self.host_staged(sends, recvs):
             sends = [(t.to("cpu"), r) for t, r in sends]

@@ -31,7 +31,7 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     if dist.get_backend(group) == "gloo":  # a blocking host exchange anyway: give it the agreement's deadline
         # gloo moves host memory: GPU tensors travel through host copies (processes sharing one GPU,
-        # launch/bench/verify_multi_gpu.py --shared-gpu); NCCL moves device memory directly.
+        # tests/gpu/multi_gpu.py --shared-gpu); NCCL moves device memory directly.
         host = x.to("cpu")
         out = torch.empty(host.shape, dtype=host.dtype)  # not empty_like: that keeps x's strides
         wait_with_deadline([dist.all_to_all_single(out, host, group=group, async_op=True)], "Ulysses all-to-all",

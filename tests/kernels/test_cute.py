@@ -1,6 +1,6 @@
 """The CuTe backend (impl="cute") where flash-attn-4 is installed: FA4's real SM90 kernels compiled with
 our mask_mod and block sparsity, on the CPU (nothing launched). Numbers are checked on the H200 by
-launch/bench/verify_gpu.py; without the [cute] extra (CPU CI) these tests are skipped, saying so."""
+tests/gpu/test_kernels.py; without the [cute] extra (CPU CI) these tests are skipped, saying so."""
 
 import subprocess
 import sys
@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("flash_attn.cute", reason="flash-attn-4 not installed (the [cute] extra); GPU check: launch/bench/verify_gpu.py")
+pytest.importorskip("flash_attn.cute", reason="flash-attn-4 not installed (the [cute] extra); GPU check: tests/gpu/test_kernels.py")
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("case", ["d128 docs", "d128 4 intervals", "d256 docs"])
 def test_fa4_kernels_compile_with_our_mask_mod_and_reuse_them_for_a_new_mask(case):
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "cute_compile_check.py"), "--only", case],
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("cute_compile_check.py")), "--only", case],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "1/1 PASS" in proc.stdout
@@ -28,7 +28,7 @@ def _traced_paths(case: str) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "cute_compile_check.py"), "--only", case,
+        proc = subprocess.run([sys.executable, str(Path(__file__).with_name("cute_compile_check.py")), "--only", case,
                                "--json", str(out)], capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
         rows = json.loads(out.read_text())
@@ -61,7 +61,7 @@ import cutlass, cutlass.cute as cute, torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from flash_attn.cute import utils as fa4_utils
 from flash_attn.cute.interface import _flash_attn_fwd
-from launch.bench import cute_compile_check as check
+from tests.kernels import cute_compile_check as check
 from fm_parallel.kernels import cute_fa4_patches, cute_flashmask
 
 @cute.jit
@@ -99,7 +99,7 @@ os.environ.setdefault("FLASH_ATTENTION_NUM_SMS", "132")
 sys.path.insert(0, sys.argv[1])
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from launch.bench import cute_compile_check as check
+from tests.kernels import cute_compile_check as check
 from fm_parallel.kernels import cute_flashmask
 from fm_parallel.masks.flashmask import FlashMask
 

@@ -2,7 +2,7 @@
 interface module: functions with a ``compile_cache`` whose compiled kernels do their work outside
 PyTorch's dispatcher (as FA4's do, through TVM FFI), allocating temporaries and views on the way as FA4
 does. The replay must equal FA4's own path on new values, and anything it cannot map exactly must
-leave the signature on FA4's path. The real interface runs on the H200 (launch/bench/verify_gpu.py,
+leave the signature on FA4's path. The real interface runs on the H200 (tests/gpu/test_kernels.py,
 verify_multi_gpu.py)."""
 
 import sys

@@ -1,7 +1,8 @@
 """Compile FA4's SM90 kernels with our mask_mod and block sparsity, without a GPU (nothing is launched).
 
     pip install 'fm_parallel[cute]'                      # flash-attn-4 + nvidia-cutlass-dsl, on any machine
-    python launch/bench/cute_compile_check.py            # ~1-3 min on a CPU
+    python tests/kernels/cute_compile_check.py           # ~1-3 min on a CPU
+    python -m pytest -q tests/kernels/test_cute.py       # the same cases, as tests
 
 FA4 compiles without launching under ``FakeTensorMode`` (its torch.compile path), and CuTe DSL
 cross-compiles for ``sm_90a`` on a machine without a GPU (``CUTE_DSL_ARCH``, ``FLASH_ATTENTION_ARCH``,
@@ -9,7 +10,8 @@ cross-compiles for ``sm_90a`` on a machine without a GPU (``CUTE_DSL_ARCH``, ``F
 spent, that the ``impl="cute"`` backend traces and compiles through FA4's real forward and backward
 kernels for every head dim and mask shape class, and that a *different* mask of the same class
 (other documents, other lengths, other rows) reuses the compiled kernels: the kernel count must not
-grow. Correctness of the numbers is ``verify_gpu.py``'s job, on the H200.
+grow. Correctness of the numbers is ``tests/gpu/test_kernels.py``'s job, on the H200. Was
+``launch/bench/cute_compile_check.py`` (issue 32.3); run by tests/kernels/test_cute.py.
 
 Prints one line per case and PASS / FAIL; exits non-zero on failure; ``--json`` writes the rows.
 """
@@ -23,6 +25,7 @@ os.environ.setdefault("FLASH_ATTENTION_ARCH", "sm_90")
 os.environ.setdefault("FLASH_ATTENTION_NUM_SMS", "132")
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -31,7 +34,6 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from launch.bench.verdict import finish  # noqa: E402
 
 # (name, head dim, dtype, batch, Hq, Hkv, mask batch, mask heads, intervals, Nq, Nk, q_offset; None: explicit rows)
 CASES = [
@@ -160,7 +162,12 @@ def main() -> None:
                                       f"{row['recompiled_for_new_mask']} more for a new mask of the class, "
                                       + ", ".join(f"{k} {v}" for k, v in sorted(row["traced"].items())))
         print(f"{row['status']}  {case[0]:38s} {detail}", flush=True)
-    finish(rows, args.json)
+    failed = sum(r["status"] != "PASS" for r in rows)
+    print(f"{len(rows) - failed}/{len(rows)} PASS")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=1))
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

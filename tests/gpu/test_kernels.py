@@ -1,7 +1,6 @@
 """GPU correctness of the kernels against the float64 reference: outputs, lse and dq / dk / dv.
 
-    python launch/bench/verify_gpu.py                    # impl cute and triton, every mask family
-    python launch/bench/verify_gpu.py --impls cute --json $OUT/verify_gpu.json
+    python -m pytest -q -rs tests/gpu/test_kernels.py      # on the H200: impl cute and triton, every case
 
 For each case: one forward with ``return_lse=True`` and a backward of ``(out * dout).sum() + (lse *
 dlse).sum()`` over the finite lse rows (so the lse gradient path, which the ring merge uses, is
@@ -11,27 +10,27 @@ absolute error on finite rows and exact -inf rows where the reference row sees n
 
 Cases: every mask family (causal, packed docs with empty rows, bidirectional docs, DPO, reward model,
 prefix-LM, sliding window + sinks, global rows + window, a multi-interval union) at an odd N, GQA
-(8 query / 2 KV heads), head dims 64 / 128 / 256, fp16 and bf16, masks per batch row and per head, and a query chunk with a
-row offset (Nq != Nk, what ring attention runs). Prints PASS / FAIL per case; exits 1 on any FAIL.
+(8 query / 2 KV heads), head dims 64 / 128 / 256, fp16 and bf16, masks per batch row and per head, and a
+query chunk with a row offset (Nq != Nk, what ring attention runs). ``impl="cute"`` must also take FA4's
+own causal / varlen kernel on the cases that say so. Was ``launch/bench/verify_gpu.py`` (issue 32.3).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
+import functools
+from collections import Counter
 
+import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from launch.bench.verdict import finish  # noqa: E402
-
-from fm_parallel import FlashMask, flashmask_attention, masks  # noqa: E402
-from fm_parallel.reference import reference_attention  # noqa: E402
+from fm_parallel import FlashMask, flashmask_attention, masks
+from fm_parallel.reference import reference_attention
+from tests.gpu import needs_cuda
 
 LIMITS = {torch.bfloat16: 8e-3, torch.float16: 1.5e-3}  # ~5x the rounding error of bf16 / fp16 outputs
-DEVICE = "cuda"  # --device cpu with --impls torch dry-runs the script itself
+N = 1001  # odd: ragged tiles
+# Cases that must run FA4's own kernel under impl="cute" (masks that know they are causal documents).
+FA4_PATHS = {"(varlen path)": "fa4_varlen", "(causal path)": "fa4_causal"}
 
 
 def families(n: int) -> dict[str, FlashMask]:
@@ -60,18 +59,18 @@ def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.detach().double() - ref.detach()).norm() / ref.detach().norm().clamp_min(1e-30))
 
 
-def check(impl, mask, b, hq, hkv, nq, d, dtype, q_offset=0, seed=0) -> dict:
+def check(impl, mask, b, hq, hkv, nq, d, dtype, q_offset=0, seed=0, device="cuda") -> dict:
     """Run one case; returns the errors and PASS / FAIL. ``q_offset``: an int (consecutive rows) or a
     tensor of ``nq`` global rows (a zigzag shard, passed as ``q_positions``)."""
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     nk = mask.num_keys
-    q = torch.randn(b, hq, nq, d, device=DEVICE, dtype=dtype, generator=g).requires_grad_()
-    k = torch.randn(b, hkv, nk, d, device=DEVICE, dtype=dtype, generator=g).requires_grad_()
-    v = torch.randn(b, hkv, nk, d, device=DEVICE, dtype=dtype, generator=g).requires_grad_()
-    dout = torch.randn(b, hq, nq, d, device=DEVICE, dtype=dtype, generator=g)
-    dlse = torch.randn(b, hq, nq, device=DEVICE, generator=g)
+    q = torch.randn(b, hq, nq, d, device=device, dtype=dtype, generator=g).requires_grad_()
+    k = torch.randn(b, hkv, nk, d, device=device, dtype=dtype, generator=g).requires_grad_()
+    v = torch.randn(b, hkv, nk, d, device=device, dtype=dtype, generator=g).requires_grad_()
+    dout = torch.randn(b, hq, nq, d, device=device, dtype=dtype, generator=g)
+    dlse = torch.randn(b, hq, nq, device=device, generator=g)
     explicit = isinstance(q_offset, torch.Tensor)
-    rows = q_offset.to(DEVICE) if explicit else torch.arange(q_offset, q_offset + nq, device=DEVICE)
+    rows = q_offset.to(device) if explicit else torch.arange(q_offset, q_offset + nq, device=device)
     where = {"q_positions": rows} if explicit else {"q_offset": q_offset}
 
     def loss(out, lse):
@@ -97,9 +96,7 @@ def check(impl, mask, b, hq, hkv, nq, d, dtype, q_offset=0, seed=0) -> dict:
     return {**result, "path": taken[0] if taken else impl, "status": "PASS" if ok else "FAIL"}
 
 
-def _paths(impl: str):
-    from collections import Counter
-
+def _paths(impl: str) -> Counter:
     if impl != "cute":
         return Counter()
     from fm_parallel.kernels import cute_flashmask
@@ -107,12 +104,12 @@ def _paths(impl: str):
     return Counter(cute_flashmask.paths)
 
 
-def cases(n: int):
+def cases(n: int, device: str):
     """(name, mask, batch, Hq, Hkv, Nq, D, dtype, q_offset: int or a tensor of rows)."""
     fam = families(n)  # built once: the later cases reuse these masks
     for name, m in fam.items():
-        yield name, m.to(DEVICE), 1, 8, 2, n, 128, torch.bfloat16, 0
-    docs, dpo = fam["docs_with_padding"].to(DEVICE), fam["dpo"].to(DEVICE)
+        yield name, m.to(device), 1, 8, 2, n, 128, torch.bfloat16, 0
+    docs, dpo = fam["docs_with_padding"].to(device), fam["dpo"].to(device)
     for d in (64, 256):
         yield f"docs_with_padding D={d}", docs, 1, 8, 2, n, d, torch.bfloat16, 0
     yield "docs_with_padding fp16", docs, 1, 8, 2, n, 128, torch.float16, 0
@@ -121,47 +118,52 @@ def cases(n: int):
     zigzag = torch.cat([torch.arange(sixth), torch.arange(n - sixth, n)])  # rank 0 of 3 under zigzag
     yield "dpo zigzag shard (explicit rows)", dpo, 1, 8, 2, 2 * sixth, 128, torch.bfloat16, zigzag
     # Masks that know they are causal documents (built on the CPU, moved with .to): FA4's own kernels.
-    packed = masks.document([n // 3, n // 4 + 5, n - n // 3 - n // 4 - 5]).to(DEVICE)
+    packed = masks.document([n // 3, n // 4 + 5, n - n // 3 - n // 4 - 5]).to(device)
     yield "packed causal docs, no padding (varlen path)", packed, 1, 8, 2, n, 128, torch.bfloat16, 0
     yield "packed causal docs D=64 fp16 (varlen path)", packed, 1, 4, 4, n, 64, torch.float16, 0
-    yield "causal B=2 (causal path)", fam["causal"].to(DEVICE), 2, 8, 2, n, 128, torch.bfloat16, 0
-    per_batch = masks.stack([fam["dpo"], fam["sliding_window_sinks"]]).to(DEVICE)
+    yield "causal B=2 (causal path)", fam["causal"].to(device), 2, 8, 2, n, 128, torch.bfloat16, 0
+    per_batch = masks.stack([fam["dpo"], fam["sliding_window_sinks"]]).to(device)
     yield "mask per batch row (B=2)", per_batch, 2, 8, 2, n, 128, torch.bfloat16, 0
     two = masks.stack([fam["causal"], fam["sliding_window_sinks"]])  # [2, 1, N, M]
-    per_kv_head = FlashMask(two.fms.transpose(0, 1), two.fme.transpose(0, 1), n).to(DEVICE)  # [1, 2, N, M]
+    per_kv_head = FlashMask(two.fms.transpose(0, 1), two.fme.transpose(0, 1), n).to(device)  # [1, 2, N, M]
     yield "mask per KV head (Hm=2)", per_kv_head, 1, 8, 2, n, 128, torch.bfloat16, 0
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--impls", nargs="+", default=["cute", "triton"])
-    parser.add_argument("--n", type=int, default=1001, help="sequence length (odd: ragged tiles)")
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--device", default="cuda")
-    args = parser.parse_args()
-    if args.n < 256:  # the multi-interval family gives its last 200 rows a summary band: it needs them
-        parser.error(f"--n: expected at least 256 rows for every mask family to be well formed, got {args.n}")
-    global DEVICE
-    DEVICE = args.device
-    print("device", torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "torch", torch.__version__, flush=True)
-    rows = []
-    for impl in args.impls:
-        for name, mask, b, hq, hkv, nq, d, dtype, q_offset in cases(args.n):
-            try:
-                r = check(impl, mask, b, hq, hkv, nq, d, dtype, q_offset)
-            except Exception as e:  # a case that cannot run is a failure, reported with its reason
-                r = {"status": "FAIL", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
-            r = {"impl": impl, "case": name, **r}
-            expected = {"(varlen path)": "fa4_varlen", "(causal path)": "fa4_causal"}
-            want = next((p for tag, p in expected.items() if tag in name), None)
-            if impl == "cute" and want and r.get("path") != want and r["status"] == "PASS":
-                r["status"], r["error"] = "FAIL", f"expected FA4's {want} kernel, ran {r.get('path')}"
-            rows.append(r)
-            detail = r.get("error") or (" ".join(f"{k}={r[k]:.2e}" for k in ("out", "dq", "dk", "dv", "lse_max_abs"))
-                                        + f"  [{r['path']}]")
-            print(f"{r['status']}  {impl:6s} {name:40s} {detail}", flush=True)
-    finish(rows, args.json)
+@functools.lru_cache(maxsize=2)
+def case_table(n: int, device: str) -> dict:
+    """name -> the arguments of :func:`check` (the masks built once per device)."""
+    return {name: args for name, *args in cases(n, device)}
 
 
-if __name__ == "__main__":
-    main()
+CASE_NAMES = list(case_table(N, "cpu"))
+
+
+def run_case(impl: str, name: str, n: int, device: str) -> dict:
+    """One case through ``impl``, with the FA4 kernel the case must take under ``cute``."""
+    mask, b, hq, hkv, nq, d, dtype, q_offset = case_table(n, device)[name]
+    result = check(impl, mask, b, hq, hkv, nq, d, dtype, q_offset, device=device)
+    want = next((path for tag, path in FA4_PATHS.items() if tag in name), None)
+    if impl == "cute" and want and result["path"] != want and result["status"] == "PASS":
+        result["status"], result["error"] = "FAIL", f"expected FA4's {want} kernel, ran {result['path']}"
+    return result
+
+
+@needs_cuda
+@pytest.mark.parametrize("impl", ["cute", "triton"])
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_the_kernel_matches_the_float64_reference(impl, name):
+    if impl == "cute":
+        pytest.importorskip("flash_attn.cute", reason="flash-attn-4 not importable (the [cute] extra, or FM_FA4_SITE)")
+    result = run_case(impl, name, N, "cuda")
+    assert result["status"] == "PASS", result
+
+
+def test_the_cases_pass_on_the_cpu_through_the_pytorch_path():
+    """The cases, the reference, the limits and the checks themselves, run through impl="torch" on the
+    CPU, so that a GPU session never finds this file broken."""
+    rows = {name: run_case("torch", name, 301, "cpu") for name in case_table(301, "cpu")}
+    assert len(rows) == len(CASE_NAMES) == 19
+    assert {name: r["status"] for name, r in rows.items() if r["status"] != "PASS"} == {}, rows
+    assert "global_rows_window" in rows  # the heavy-block case of the launch order
+    assert {r["path"] for r in rows.values()} == {"torch"}
+    assert all({"out", "dq", "dk", "dv", "lse_max_abs"} <= set(r) for r in rows.values())

@@ -1,35 +1,33 @@
 """The Hugging Face and trainer edges on a GPU: what tests/integrations/test_hf_packing.py and
 tests/trainer check on the CPU, run through the CUDA kernels (``impl`` auto: CuTe on Hopper with the
-[cute] extra, else Triton; ``--impl`` to force one).
+[cute] extra, else Triton; and Triton forced).
 
-    python launch/bench/verify_hf_gpu.py --out docs/benchmarks/verify_hf_gpu_h200.json
+    python -m pytest -q -rs tests/gpu/test_hf.py          # on the H200 (FM_FA4_SITE for the CuTe backend)
 
 Cases (bf16 Llama, head dim 64; tolerances against what ``sdpa`` in the same dtype gets):
-  packed_cu_seq_lens / packed_position_ids: DataCollatorWithFlattening batches vs each document alone;
-  collator_dpo: shared-prompt DPO rows (FlashMaskCollator) vs the TRL layout's log-probs;
-  decode: KV-cache decode steps vs the full forward; generate: greedy tokens vs sdpa (float32 model
-  under bf16 autocast, where both compute in bf16); autocast: an fp32 model under bf16 autocast trains,
-  loss vs sdpa; is_causal_top_left: Nq > Nk and Nq < Nk vs SDPA; digest: a GPU mask carries the
-  host digest; trainer_resume: stop after 2 steps, resume, losses equal the uninterrupted run, the
-  exported adapter reproduces the checkpoint.
-Prints one line per case and writes JSON; exit status 1 if any case fails.
+packed_cu_seq_lens / packed_position_ids: DataCollatorWithFlattening batches vs each document alone;
+collator_dpo: shared-prompt DPO rows (FlashMaskCollator) vs the TRL layout's log-probs; decode: KV-cache
+decode steps vs the full forward; generate: greedy tokens vs sdpa (float32 model under bf16 autocast,
+where both compute in bf16); autocast: an fp32 model under bf16 autocast trains, loss vs sdpa;
+is_causal_top_left: Nq > Nk and Nq < Nk vs SDPA; digest: a GPU mask carries the host digest;
+trainer_resume: stop after 2 steps, resume, losses equal the uninterrupted run, the exported adapter
+exists. Was ``launch/bench/verify_hf_gpu.py`` (issue 32.3).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import tempfile
-import time
-import traceback
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from tests.gpu import needs_cuda
+
+pytestmark = [needs_cuda, pytest.mark.filterwarnings("ignore::UserWarning")]
+IMPLS = ["auto", "triton"]
 
 
 def llama(attention: str, dtype, device, seed=0):
@@ -188,51 +186,63 @@ def case_trainer(device):
     return {"full": want, "resumed": got, "ok": adapter and len(got) == 4 and max(abs(a - b) for a, b in zip(got, want)) < 1e-3}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--impl", default="auto")
-    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script's own logic (PyTorch path, slow)")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "verify_hf_gpu.json")
-    args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: this check runs the CUDA kernels; no GPU here (--device cpu for a dry run)")
-    import torch.distributed as dist
-
-    from fm_parallel import backends
+@pytest.fixture(scope="module")
+def hf_name():
+    pytest.importorskip("transformers")
     from fm_parallel.integrations import transformers as fm_hf
 
-    device = torch.device(args.device)
-    name = fm_hf.register()
-    cases = {
-        "packed_cu_seq_lens": lambda: case_packed(device, name, args.impl, True),
-        "packed_position_ids": lambda: case_packed(device, name, args.impl, False),
-        "collator_dpo": lambda: case_collator_dpo(device, name, args.impl),
-        "decode": lambda: case_decode(device, name, args.impl),
-        "generate": lambda: case_generate(device, name, args.impl),
-        "autocast": lambda: case_autocast(device, name, args.impl),
-        "is_causal_top_left": lambda: case_is_causal(device, args.impl),
-        "digest": lambda: case_digest(device),
-        "trainer_resume": lambda: case_trainer(device),
-    }
-    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "impl": args.impl,
-               "resolved": backends.resolve(args.impl, device), "cases": {}}
-    for key, fn in cases.items():
-        t0 = time.perf_counter()
-        try:
-            res = fn()
-        except Exception as e:  # noqa: BLE001 - a failing case is a result
-            res = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
-        res["seconds"] = round(time.perf_counter() - t0, 2)
-        results["cases"][key] = res
-        print(f"{'PASS' if res['ok'] else 'FAIL'} {key}: " + json.dumps({k: v for k, v in res.items() if k != 'traceback'}), flush=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
-    passed = sum(r["ok"] for r in results["cases"].values())
-    print(f"{passed}/{len(cases)} passed ({results['resolved']}); json: {args.out}")
-    raise SystemExit(0 if passed == len(cases) else 1)
+    return fm_hf.register()
 
 
-if __name__ == "__main__":
-    main()
+@pytest.fixture
+def device():
+    return torch.device("cuda")
+
+
+def _ok(result: dict) -> None:
+    assert result["ok"], result
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("flash_kwargs", [True, False], ids=["packed_cu_seq_lens", "packed_position_ids"])
+def test_packed_batches_match_each_document_alone(device, hf_name, impl, flash_kwargs):
+    _ok(case_packed(device, hf_name, impl, flash_kwargs))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_collator_dpo_matches_the_trl_layout(device, hf_name, impl):
+    _ok(case_collator_dpo(device, hf_name, impl))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_kv_cache_decode_matches_the_full_forward(device, hf_name, impl):
+    _ok(case_decode(device, hf_name, impl))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_generate_matches_sdpa(device, hf_name, impl):
+    _ok(case_generate(device, hf_name, impl))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_autocast_trains_like_sdpa(device, hf_name, impl):
+    _ok(case_autocast(device, hf_name, impl))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_is_causal_is_top_left_like_sdpa(device, impl):
+    _ok(case_is_causal(device, impl))
+
+
+def test_a_gpu_mask_carries_the_host_digest(device):
+    _ok(case_digest(device))
+
+
+def test_the_trainer_resumes_to_the_same_losses(device):
+    import torch.distributed as dist
+
+    try:
+        _ok(case_trainer(device))
+    finally:  # the trainer starts a one-process group; the next test file must not inherit it
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,10 +1,10 @@
 """Context-parallel correctness on several GPUs (NCCL), on P ranks sharing one GPU, or on CPU ranks
 (gloo): one PASS/FAIL line per case.
 
-    torchrun --nproc_per_node 8 launch/bench/verify_multi_gpu.py                      # H200s: N 32k and 128k
-    torchrun --nproc_per_node 8 launch/bench/verify_multi_gpu.py --cuda-graphs        # + the ring as CUDA graphs
-    torchrun --nproc_per_node 4 launch/bench/verify_multi_gpu.py --shared-gpu            # 4 ranks on ONE GPU
-    torchrun --nproc_per_node 4 launch/bench/verify_multi_gpu.py --device cpu --ns 256 \\
+    torchrun --nproc_per_node 8 tests/gpu/multi_gpu.py                      # H200s: N 32k and 128k
+    torchrun --nproc_per_node 8 tests/gpu/multi_gpu.py --cuda-graphs        # + the ring as CUDA graphs
+    torchrun --nproc_per_node 4 tests/gpu/multi_gpu.py --shared-gpu            # 4 ranks on ONE GPU
+    torchrun --nproc_per_node 4 tests/gpu/multi_gpu.py --device cpu --ns 256 \\
         --heads 8 --kv-heads 2 --head-dim 16 --dtype float64 --impls torch            # mechanics on a CPU
 
 ``--shared-gpu``: every rank is a process on the same GPU (``cuda:0``) and the process group is gloo;
@@ -39,9 +39,8 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "launch" / "bench"))
 
-from ranks import DTYPES, init_ranks  # noqa: E402
+from launch.bench.ranks import DTYPES, init_ranks  # noqa: E402
 
 # Max |distributed - single device| relative to max |single device|: the merge order of partial
 # softmax results differs, so halves agree to their rounding, float64 to ~1e-12.
@@ -218,7 +217,7 @@ def main() -> None:
     def write(complete: bool) -> None:
         """The JSON of the cases so far (rank 0); ``complete`` false until the last case is done."""
         args.out.mkdir(parents=True, exist_ok=True)
-        cmd = f"torchrun --nproc_per_node {world} launch/bench/verify_multi_gpu.py " + " ".join(sys.argv[1:])
+        cmd = f"torchrun --nproc_per_node {world} tests/gpu/multi_gpu.py " + " ".join(sys.argv[1:])
         suffix = ("_virtual_" + "_".join(args.impls)) if args.shared_gpu else ""
         (args.out / f"verify_multi_gpu_{device.type}_x{world}{suffix}.json").write_text(
             json.dumps({"command": cmd, "device": name, "world": world, "shared_gpu": args.shared_gpu, "where": where,
