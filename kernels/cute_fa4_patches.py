@@ -17,7 +17,7 @@ every other caller trace FA4's untouched code.
    the block-sparse path in grid order, one CTA per (block, head, batch); a block that visits many
    more tiles than the others (the query block of global rows, the key block of attention sinks, the
    last rows of causal-like masks) may then start late and run alone at the end: up to 1.5x the
-   kernel's ideal time on windows with sinks or global tokens (launch/bench/schedule_model.py), and
+   kernel's ideal time on windows with sinks or global tokens (launch/bench/schedule_model.py at e941a68), and
    measured on the H200: a 1.36-1.55x slower backward on sliding windows with sinks. FA4's causal answer,
    reversing the query blocks (its LPT scheduler), only helps masks whose heavy blocks are the last
    ones. Here the CTAs run in an order given at run time (:class:`CostOrderScheduler`): blocks in

@@ -187,7 +187,7 @@ def flashmask_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale, dl
     2.4 ms; launch/bench/kernel.py, 2026-12-03), the element-wise atomics cost far more than the
     recomputation of QK^T they save. Both passes in one launch (FlexAttention's layout: the dQ
     programs start while the last dK/dV ones finish) was measured and removed too: within 2% on packed
-    docs, DPO and the sliding window, 5% slower on prefix-LM (16k, launch/bench/triton_bwd.py,
+    docs, DPO and the sliding window, 5% slower on prefix-LM (16k, launch/bench/triton_bwd.py at 7092618,
     2026-12-03); the heaviest-first launch order already leaves each pass little tail to overlap.
     Reading the looped-over tiles through TMA tensor descriptors (commit 2fff1e8) was measured and
     removed as well: forward 19-63% slower, backward within 1% at 16k (DPO 4% faster) and mixed at 64k

@@ -344,7 +344,7 @@ def flashmask_bwd_delta_kernel(
 ):
     """The backward's preprocess, ``delta = rowsum(dO * O) - dlse`` ``[B, Hq, Nq]`` float32, reading
     O and dO once in their own dtype (as torch ops it wrote three float32 copies: 370 us against 48 us
-    at 16 heads x 16k x 128 on the H200, launch/bench/triton_bwd.py)."""
+    at 16 heads x 16k x 128 on the H200, launch/bench/triton_bwd.py at 7092618)."""
     pid_m = tl.program_id(0)
     # 64-bit offsets always: a memory-bound pass pays nothing for them, and O / dO may span 2^31
     # elements (32 heads x 1M tokens x 128), past which 32-bit offsets would wrap.

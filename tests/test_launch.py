@@ -153,14 +153,6 @@ def test_trainer_attention_dpo_samples_of_exact_sizes(tmp_path):
     assert bad.returncode != 0 and "--dpo-sample: expected PROMPT >= 1" in bad.stderr
 
 
-def test_plan_prep_benchmark_runs_on_the_cpu(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "plan_prep.py"), "--device", "cpu", "--ns", "4096", "8192",
-                           "--repeat", "1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads((tmp_path / "plan_prep_cpu.json").read_text())["rows"]
-    assert [r["n"] for r in rows] == [4096, 8192] and all(r["plans_ms"] > 0 and "plans_dense_ms" in r for r in rows)
-
-
 def test_cp_scaling_script_runs_on_cpu_ranks(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "launch" / "bench" / "cp_scaling.py"),
@@ -195,25 +187,6 @@ def test_train_context_searches_with_fresh_trainer_runs(tmp_path):
     assert not row["fits"] and "data.seq_len: expected a multiple of 4" in row["reason"], row
 
 
-def test_triton_backward_benchmark_runs_on_the_cpu(tmp_path):
-    """triton_bwd.py's own logic (every piece timed, each variant's gradients against the first's, the
-    kernel table, JSON and markdown), run through Triton's interpreter so a GPU session never finds it
-    broken. The interpreter runs one block shape, so every variant's gradients equal the first's."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "bench" / "triton_bwd.py"), "--ns", "64", "--heads", "1",
-         "--masks", "sliding", "--no-flex", "--out", str(tmp_path), "--tag", "t"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    (row,) = json.loads((tmp_path / "t.json").read_text())["rows"]
-    assert {"delta_torch", "delta_kernel", "ours_kernels"} <= set(row)
-    first, *others = row["variants"].values()
-    assert {"fwd", "bwd", "kv", "q", "fwdbwd", "fwdbwd_back_to_back"} <= set(first) and others
-    assert all(v["max_abs_diff_vs_first"] == 0.0 for v in row["variants"].values())
-    assert all(set(v["fwdbwd"]) >= {"min", "median", "max"} for v in row["variants"].values())
-    assert "| sliding | 64 |" in (tmp_path / "t.md").read_text()
-
-
 def test_triton_static_report_compiles_for_hopper_without_a_gpu(tmp_path):
     """The static resource report behind the tuning sweep, compiled for sm_90a on this CPU: the small
     D=64 forward fits; a D=64 forward with 128 x 128 tiles on 4 warps spills (ptxas says so)."""
@@ -232,52 +205,6 @@ def test_triton_static_report_compiles_for_hopper_without_a_gpu(tmp_path):
     assert rows[("fwd", 128, 128, 4, 2)]["spill_store_bytes"] > 0
 
 
-def test_h200_session_stages_build_the_intended_commands(tmp_path):
-    """The device script's stages, with python3 replaced by an echo (no GPU here): the right benchmark,
-    arguments and output names, and a clear refusal of an unknown stage."""
-    import shutil
-
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "python3").write_text('#!/bin/sh\necho python3 "$@"\n')
-    (fake / "python3").chmod(0o755)
-    repo = tmp_path / "repo"
-    shutil.copytree(ROOT / "launch", repo / "launch")
-    (repo / "fm_parallel").mkdir()
-    (repo / ".fa4").mkdir()
-    site = tmp_path / "site"
-    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
-    script = repo / "launch" / "bench" / "h200_session.sh"
-    script.write_text(script.read_text().replace("/tmp/site", str(site)))  # where stage 1 unpacks, here
-
-    def stage(*args):
-        return subprocess.run(["bash", "launch/bench/h200_session.sh", *args], cwd=repo, env=env, capture_output=True, text=True)
-
-    tune = stage("tune")
-    assert tune.returncode == 0 and "tune_triton.py --d 64 128 256" in tune.stdout
-    cold = stage("verify")  # the FA4 libraries were not unpacked on this machine
-    assert cold.returncode == 3 and "run the unpack-libs stage first" in cold.stdout
-    assert stage("bogus").returncode == 2
-    (site / "nvidia_cutlass_dsl").mkdir(parents=True)
-    kernel = stage("kernel", "sliding", "prefix")
-    assert kernel.returncode == 0, kernel.stderr
-    assert "--masks sliding prefix" in kernel.stdout and "--long --out" in kernel.stdout and "--churn" not in kernel.stdout
-    docs = stage("kernel")  # default families include docs: the long run and the churn come along
-    assert "--masks causal docs dpo" in docs.stdout and "--long 524288" in docs.stdout and "--churn 16384" in docs.stdout
-    # The one-archive form (.fa4one, made by the pack stage): no unpack-libs stage needed first.
-    shutil.rmtree(site)
-    (tmp_path / "packed" / "nvidia_cutlass_dsl").mkdir(parents=True)
-    (repo / ".fa4one").mkdir()
-    subprocess.run(["tar", "cJf", str(repo / ".fa4one" / "site.tar.xz"), "-C", str(tmp_path / "packed"), "."], check=True)
-    one = stage("verify")
-    assert one.returncode == 0 and "verify_gpu.py --impls cute triton" in one.stdout, one.stdout + one.stderr
-    assert (site / "nvidia_cutlass_dsl").is_dir()
-    launches = stage("launches")  # the CP layer cost with the recorded FA4 launches, then without
-    lines = [line for line in launches.stdout.splitlines() if "cp_layer_cost.py" in line]
-    assert launches.returncode == 0 and len(lines) == 2, launches.stdout + launches.stderr
-    assert "--fa4-python" not in lines[0] and "--fa4-python" in lines[1] and "--decoder-rest" in lines[1]
-
-
 @pytest.mark.parametrize("name", ["causal", "docs", "dpo", "sliding", "prefix", "multi", "window_sinks", "global_window"])
 def test_kernel_benchmark_masks_equal_the_flex_predicates_they_are_compared_with(name):
     """The benchmark times our FlashMask against Flex running the predicate a Flex user would write:
@@ -289,21 +216,6 @@ def test_kernel_benchmark_masks_equal_the_flex_predicates_they_are_compared_with
     fm, predicate = build(name, n)
     q, k = torch.arange(n).view(n, 1), torch.arange(n).view(1, n)
     assert torch.equal(fm.to_dense()[0, 0], predicate(0, 0, q, k))
-
-
-def test_window_compiles_diagnostic_runs_on_the_cpu(tmp_path):
-    """The H200 diagnostic's mechanics (windows of many lengths and offsets through a backend, per call
-    timing and compile counting) with the PyTorch backend; on the GPU it counts FA4's compiles."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "bench" / "window_compiles.py"), "--n", "1024", "--heads", "2",
-         "--kv-heads", "1", "--head-dim", "16", "--impl", "torch", "--device", "cpu", "--windows", "3", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads((tmp_path / "window_compiles_cpu.json").read_text())
-    assert result["summary"]["calls"] == len(result["records"]) >= 10
-    assert result["summary"]["compiles_total"] == 0 and result["summary"]["calls_that_compiled"] == []
-    assert {r["rows"] for r in result["records"]} >= {1, 256}  # a one-row window and a whole share
 
 
 def test_every_benchmark_summarises_repeats_one_way():

@@ -57,9 +57,28 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from launch.bench.host_overhead import top_host  # noqa: E402
 from launch.bench.ranks import DTYPES  # noqa: E402
 from launch.bench.repeats import spread  # noqa: E402
+
+
+def top_host(fn, calls: int, lines: int = 14, sort: str | tuple[str, ...] = "cumulative") -> str:
+    """cProfile of ``calls`` calls of ``fn``: the top ``lines`` host functions by ``sort`` (one key, or
+    several: one table per key from the same profile)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    for key in (sort,) if isinstance(sort, str) else sort:
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(lines)
+    return out.getvalue()
 
 
 class Loopback:
