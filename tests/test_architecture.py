@@ -127,15 +127,6 @@ def test_no_import_circles_in_the_library():
     assert not cycles, "import circles:\n" + "\n".join(sorted(cycles))
 
 
-# Scripts that still reach into private names: GPU diagnostics and kernel-tuning scripts that the
-# benchmark catalogue of issue 32.3 is to keep (through public hooks), fold or delete. The list may only
-# shrink: a script not on it that takes a private name fails, and so does a listed one that no longer does.
-PRIVATE_NAMES_PENDING_32_3 = {
-    "launch/bench/cp_layer_cost.py", "launch/bench/cpu_attention.py", "launch/bench/triton_static.py",
-    "launch/bench/tune_triton.py",
-}
-
-
 def test_launch_scripts_use_public_names_of_the_library_only():
     found = []
     for path in sorted((ROOT / "launch").rglob("*.py")):
@@ -157,11 +148,7 @@ def test_launch_scripts_use_public_names_of_the_library_only():
             if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
                     and isinstance(node.value, ast.Name) and node.value.id in library_modules):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value.id}.{node.attr}")
-    offenders = {line.split(":")[0] for line in found}
-    new = [line for line in found if line.split(":")[0] not in PRIVATE_NAMES_PENDING_32_3]
-    assert not new, "private library names used under launch/:\n" + "\n".join(new)
-    cleaned = PRIVATE_NAMES_PENDING_32_3 - offenders
-    assert not cleaned, f"no longer take private names (remove from PRIVATE_NAMES_PENDING_32_3): {sorted(cleaned)}"
+    assert not found, "private library names used under launch/ (use or add a public name):\n" + "\n".join(found)
 
 
 def test_nothing_imports_a_top_level_kernels():

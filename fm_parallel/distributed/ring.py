@@ -27,7 +27,7 @@ from fm_parallel.distributed.prepared import PreparedMask, for_call
 from fm_parallel.distributed.sharding import ShardPlan
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["ring_attention", "RingStats"]
+__all__ = ["ring_attention", "RingStats", "ring_attention_over"]
 
 
 @dataclass
@@ -45,7 +45,7 @@ class _Ring:
 
     def __init__(self, prepared: PreparedMask, comm, scale, backend, stats):
         self.prepared, self.scale, self.backend, self.stats = prepared, scale, backend, stats
-        self.comm = comm  # RingComm (launch/bench/cp_layer_cost.py passes a one-process stand-in)
+        self.comm = comm  # RingComm, or a one-process stand-in (ring_attention_over)
         self.needed = prepared.needed  # needed[r][j]: rank r's queries see rank j's keys
         self.rank, self.world = self.comm.rank, self.comm.world_size
         self.graphs = prepared.graphs  # LayerGraphs when the step asked for CUDA graphs
@@ -372,3 +372,27 @@ def _ring(q, k, v, prepared: PreparedMask, group, scale, name: str, stats):
     backend = backends.get(name)
     ring = _Ring(prepared, prepared.comm(group), scale, backend, stats)
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring)
+
+
+def ring_attention_over(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prepared: PreparedMask, comm, backend, *,
+                        scale: float | None = None, stats: RingStats | None = None) -> torch.Tensor:
+    """One rank's ring over a transport and a backend the caller brings: no agreement, no resolution.
+
+    For running the ranks of a ring in one process: a benchmark's stand-in for P GPUs on one
+    (``launch/bench/cp_layer_cost.py``: device copies for transfers, launchers timed per step).
+
+    Args:
+        q, k, v: this rank's shards, as for :func:`ring_attention`.
+        prepared: this rank's :class:`PreparedMask` (``PreparedMask(mask, plan, rank, device)``).
+        comm: the transport, with :class:`~fm_parallel.distributed.comm.RingComm`'s interface
+            (``rank``, ``world_size``, ``send_to(step)``, ``recv_from(step)``, ``exchange(sends, recvs)``,
+            ``wait(pending)``; ``capturable = True`` if CUDA graphs may capture it).
+        backend: the local kernel's launchers, ``fm_parallel.backends.get(name)`` or an object with the
+            same ``forward`` / ``backward``.
+        stats: filled with this rank's transfers posted and skipped and bytes sent.
+    Returns:
+        ``[B, Hq, N / P, Dv]``, differentiable (the ring's own backward).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    ring = _Ring(prepared, comm, scale, backend, stats)
+    return _RingAttention.apply(q, k, v, ring)

@@ -159,7 +159,7 @@ def rank_layer(args, mask, plan, rank, q, k, v, dout, impl, per_call: bool, time
     ``layer.state["prepared"].graphs.counters`` says what ran)."""
     from fm_parallel import backends
     from fm_parallel.distributed.prepared import PreparedMask
-    from fm_parallel.distributed.ring import RingStats, _Ring, _RingAttention
+    from fm_parallel.distributed.ring import RingStats, ring_attention_over
 
     world = plan.world_size
     chunks = [(plan.shard(k, r, 2), plan.shard(v, r, 2)) for r in range(world)]
@@ -175,10 +175,10 @@ def rank_layer(args, mask, plan, rank, q, k, v, dout, impl, per_call: bool, time
         if prepared is None or per_call:
             prepared = PreparedMask(mask, plan, rank, device, host_mask=host_mask, cuda_graphs=graphs)  # as prepare() makes it
             state["prepared"] = prepared
-        ring = _Ring(prepared, comm, 1.0 / math.sqrt(q.shape[-1]), backend, RingStats())
-        out = _RingAttention.apply(ql, kl, vl, ring)
+        stats = RingStats()
+        out = ring_attention_over(ql, kl, vl, prepared, comm, backend, scale=1.0 / math.sqrt(q.shape[-1]), stats=stats)
         out.backward(dl)
-        return ring.stats
+        return stats
 
     layer.state = state
     return layer, backend

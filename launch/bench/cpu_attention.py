@@ -7,8 +7,9 @@ Masks: packed causal documents (lengths drawn from an exponential law of mean 51
 DPO (prompt N/2, chosen N/4, rejected N/4). B=1, H=4, D=64, float32. Every configuration runs in its
 own subprocess so that its peak memory is its own: peak RSS while building the mask and running
 attention, minus the RSS with q/k/v (and dO) already allocated. Time is the median of repeated
-calls with the mask already built. "torch-ckpt" is the alternative backward the foundation issue
-asked us to weigh: autograd through per-query-block checkpointed tiles instead of our own recompute.
+calls with the mask already built. An autograd-through-checkpointed-tiles backward ("torch-ckpt")
+was measured beside them until 35eb2ec: 2.5-3x slower forward+backward than our own recompute
+(docs/benchmarks/cpu_attention.md); it is no longer run.
 
 Writes docs/benchmarks/cpu_attention.json, docs/benchmarks/cpu_attention.md and cpu_attention.png.
 """
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from launch.bench.repeats import spread  # noqa: E402
 
 OUT = ROOT / "docs" / "benchmarks"
-IMPLS = ("torch", "torch-ckpt", "sdpa-dense")
+IMPLS = ("torch", "sdpa-dense")
 MASKS = ("docs512", "dpo")
 MODES = ("fwd", "fwd+bwd")
 
@@ -67,30 +68,6 @@ def build_mask(name: str, n: int):
     return masks.dpo(n // 2, n // 4, n - n // 2 - n // 4)
 
 
-def checkpointed_tiles(q, k, v, mask, block: int = 128):
-    """Autograd through checkpointed per-query-block attention over the visited key blocks (no custom backward)."""
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
-    from fm_parallel.heads import mask_groups
-    from fm_parallel.reference import _gather, _plan, _safe, _scores
-
-    b, h, n, d = q.shape
-    positions = torch.arange(n)
-    plans = _plan(mask, positions, block, block)
-    grp = mask_groups(b, h, h, 1, 1)[0]
-    scale = d**-0.5
-
-    def one(q_t, blk):
-        k_t, v_t = _gather(k, blk.spans), _gather(v, blk.spans)
-        s = _scores(q_t * scale, k_t, blk, mask, grp, positions[blk.r0 : blk.r1], 1)
-        lse = torch.logsumexp(s, -1, keepdim=True)
-        return torch.matmul(torch.exp(s - _safe(lse)), v_t)
-
-    outs = [checkpoint(one, q[:, :, blk.r0 : blk.r1], blk, use_reentrant=False) for blk in plans[0]]
-    return torch.cat(outs, dim=2)
-
-
 def worker(kind: str, impl: str, mask_name: str, n: int, mode: str, reps: int) -> dict:
     """kind "memory": peak RSS of one call above the inputs; kind "time": median time of `reps` calls."""
     import torch
@@ -111,10 +88,8 @@ def worker(kind: str, impl: str, mask_name: str, n: int, mode: str, reps: int) -
     def run(m):
         if impl == "sdpa-dense":
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
-        elif impl == "torch":
-            out = flashmask_attention(q, k, v, mask=m, impl="torch")
         else:
-            out = checkpointed_tiles(q, k, v, m)
+            out = flashmask_attention(q, k, v, mask=m, impl="torch")
         if grad:
             out.backward(dout)
             for t in (q, k, v):
@@ -168,16 +143,16 @@ def io_mib(row: dict) -> float:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| mask | N | mode | torch ms min / median / max | torch-ckpt ms | SDPA dense ms | speed-up vs SDPA "
+        "| mask | N | mode | torch ms min / median / max | SDPA dense ms | speed-up vs SDPA "
         "| torch peak MiB | SDPA peak MiB | workspace ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     key = {(r["impl"], r["mask"], r["n"], r["mode"]): r for r in rows}
     nan = float("nan")
     for mask_name in MASKS:
         for n in sorted({r["n"] for r in rows}):
             for mode in MODES:
-                t, c, s = (key.get((i, mask_name, n, mode), {}) for i in IMPLS)
+                t, s = (key.get((i, mask_name, n, mode), {}) for i in IMPLS)
                 if "time_ms" not in t:
                     continue
                 speed = s["time_ms"] / t["time_ms"] if "time_ms" in s else nan
@@ -185,7 +160,7 @@ def table(rows: list[dict]) -> str:
                 ws = (s["peak_mib"] - io_mib(s)) / max(t["peak_mib"] - io_mib(t), 0.5) if "peak_mib" in s else nan
                 lines.append(
                     f"| {mask_name} | {n} | {mode} | {t.get('time_ms_min', nan):.0f} / {t['time_ms']:.0f} / "
-                    f"{t.get('time_ms_max', nan):.0f} | {c.get('time_ms', nan):.0f} | "
+                    f"{t.get('time_ms_max', nan):.0f} | "
                     f"{s.get('time_ms', nan):.0f} | {speed:.1f}x | {t['peak_mib']:.0f} | "
                     f"{s.get('peak_mib', nan):.0f} | {ws:.0f}x |"
                 )
@@ -199,7 +174,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for impl, style in zip(IMPLS, ("o-", "s--", "^:")):
+    for impl, style in zip(IMPLS, ("o-", "^:")):
         for mask_name, color in zip(MASKS, ("C0", "C1")):
             pts = sorted((r["n"], r) for r in rows if r["impl"] == impl and r["mask"] == mask_name
                          and r["mode"] == "fwd+bwd" and "time_ms" in r)
