@@ -1,0 +1,444 @@
+"""Context parallelism in the Hugging Face ``Trainer`` and TRL's ``SFTTrainer``: one switch, any FlashMask.
+
+    from fm_parallel.integrations.context_parallel import ContextParallelConfig, context_parallel
+
+    cp = ContextParallelConfig(degree=2, mode="ring")            # "ring" | "ulysses" | "hybrid"
+    trainer = context_parallel(Trainer)(model=model, args=args, train_dataset=docs,
+                                        data_collator=DataCollatorWithFlattening(), cp=cp)
+    trainer = context_parallel(SFTTrainer)(model=model, args=SFTConfig(padding_free=True, ...), ..., cp=cp)
+    trainer = context_parallel(FlashMaskDPOTrainer)(model=peft_model, args=args, train_dataset=pairs, cp=cp)
+
+launched with ``torchrun --nproc_per_node W script.py`` (``W`` a multiple of ``degree``: ``W / degree``
+data-parallel groups of ``degree`` ranks each). The model must run our attention
+(``attn_implementation=fm_parallel.integrations.transformers.register()``).
+
+Per micro-batch, on every rank of a CP group (which all hold the same batch):
+
+1. the batch is checked to be the same on every rank of the group (one small all-gather; a rank
+   whose batch differs makes every rank raise the same ``ValueError``);
+2. the row's mask is built on the full row: the collator's ``flashmask`` (or ``fms`` / ``fme``), else
+   packed documents from ``cu_seq_lens_k`` or from ``position_ids`` that restart, else causal; a 2-D
+   padding ``attention_mask`` is folded in;
+3. labels are shifted on the full row, per document (a document's last token predicts nothing), so no
+   shard loses the target that sits on its neighbour; the row is padded to what the plan needs
+   (padding is its own invisible document, never a target);
+4. the row is sharded by :func:`fm_parallel.distributed.shard` (``balance``), the mask prepared once
+   (:meth:`ContextParallel.prepare`), the model run on the rank's tokens with their global positions;
+5. the loss is the token-summed cross-entropy of the rank's targets divided by the targets of the
+   whole step (all micro-batches, all data-parallel groups, each CP group counted once), so the ranks'
+   shares sum to the one-process loss and DDP's gradient mean gives the one-process gradient.
+
+Data: ranks of one CP group get the same batches (accelerate's sampler sharded over the data-parallel
+groups, not over every rank). What the Trainer would get wrong under CP is refused by name
+(``compute_loss_func``, label smoothing, ``average_tokens_across_devices=False``, DataParallel,
+DeepSpeed / FSDP, accelerate's own CP / SP). ``degree=1`` runs the same code on one process (the
+reference the tests compare against).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fm_parallel.distributed.context import CP_MODES, ContextParallel
+from fm_parallel.distributed.sharding import BALANCE_MODES, length_multiple, shard
+from fm_parallel.masks.flashmask import FlashMask
+
+__all__ = ["ContextParallelConfig", "ContextParallelMixin", "context_parallel"]
+
+# Keys a batch may carry besides the ones read below: flash-attn's maxima (derived from cu_seq_lens).
+_IGNORED_KEYS = ("max_length_q", "max_length_k", "seq_idx", "use_cache")
+_READ_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", "flashmask", "fms", "fme",
+              "cu_seq_lens_q", "cu_seq_lens_k", "fm_segment", "fm_sample")
+
+
+@dataclass(frozen=True)
+class ContextParallelConfig:
+    """The switch.
+
+    Args:
+        degree: ranks per context-parallel group (1: no CP, the same code on one process).
+        mode: ``"ring"``, ``"ulysses"`` or ``"hybrid"`` (Ulysses inside, ring outside).
+        ulysses_degree: hybrid only: the Ulysses size inside a group (a divisor of ``degree``; default 2).
+        balance: :func:`fm_parallel.distributed.shard`'s ``"contiguous"``, ``"zigzag"`` or ``"mask"``.
+        impl: the local kernel (None: ``"auto"``).
+    """
+
+    degree: int = 1
+    mode: str = "ring"
+    ulysses_degree: int | None = None
+    balance: str = "contiguous"
+    impl: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.degree, int) or isinstance(self.degree, bool) or self.degree < 1:
+            raise ValueError(f"cp.degree: expected an int >= 1, got {self.degree!r}")
+        if self.mode not in CP_MODES:
+            raise ValueError(f"cp.mode: expected one of {CP_MODES}, got {self.mode!r}")
+        if self.balance not in BALANCE_MODES:
+            raise ValueError(f"cp.balance: expected one of {BALANCE_MODES}, got {self.balance!r}")
+        if self.ulysses_degree is not None and self.mode != "hybrid":
+            raise ValueError(f"cp.ulysses_degree: expected None for mode={self.mode!r} (hybrid only), got {self.ulysses_degree!r}")
+        if self.mode == "hybrid" and self.degree > 1 and self.degree % self.ulysses:
+            raise ValueError(f"cp.ulysses_degree: expected a divisor of cp.degree = {self.degree}, got {self.ulysses}")
+
+    @property
+    def ulysses(self) -> int:
+        """Ulysses ranks per group: ``degree`` for Ulysses, 1 for the ring, ``ulysses_degree`` (2) for hybrid."""
+        return {"ring": 1, "ulysses": self.degree, "hybrid": self.ulysses_degree or 2}[self.mode]
+
+
+class _Layout:
+    """Where this rank sits: ``world = dp x degree``, mesh dims ("dp", "ring", "ulysses") row-major,
+    so ``dp_rank = rank // degree`` and ``cp_rank = rank % degree`` (the plan's rank)."""
+
+    def __init__(self, cfg: ContextParallelConfig):
+        self.cfg = cfg
+        self.world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.world % cfg.degree:
+            raise ValueError(f"cp.degree: expected a divisor of the {self.world} ranks (WORLD_SIZE), got {cfg.degree}")
+        self.dp, self.dp_rank, self.cp_rank = self.world // cfg.degree, rank // cfg.degree, rank % cfg.degree
+        self.group = self.mesh = None
+        self.groups = None  # the groups the batch agreement runs over (hybrid: Ulysses then ring)
+        if cfg.degree > 1:
+            from fm_parallel.distributed.dims import ParallelDims
+
+            uly = cfg.ulysses
+            # Groups of their own (not the world's): DDP's gradient all-reduce and the CP collectives never share one.
+            mesh = ParallelDims(self.world, ring=cfg.degree // uly, ulysses=uly).build_mesh("cuda" if torch.cuda.is_available() else "cpu")
+            if cfg.mode == "hybrid":
+                self.mesh = mesh["ring", "ulysses"]
+                self.groups = [self.mesh.get_group("ulysses"), self.mesh.get_group("ring")]
+            else:
+                self.group = mesh["ulysses" if cfg.mode == "ulysses" else "ring"].get_group()
+                self.groups = [self.group]
+
+    def context(self, plan) -> ContextParallel:
+        hybrid = self.cfg.mode == "hybrid"
+        return ContextParallel(self.cfg.mode, plan, group=None if hybrid else self.group, mesh=self.mesh if hybrid else None,
+                               impl=self.cfg.impl)
+
+    def cp_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the CP group, differentiable (each rank's gradient is the sum's: with the
+        loss replicated on the group, DDP's mean over the world then gives the one-process gradient)."""
+        import torch.distributed.nn.functional as dfn
+
+        for g in self.groups or ():
+            x = dfn.all_reduce(x, group=g)
+        return x
+
+
+def _digest(t) -> int:
+    """63-bit BLAKE2b of a tensor's bytes and shape (0 for None): the batch agreement's values."""
+    if t is None:
+        return 0
+    if isinstance(t, FlashMask):
+        return t.digest()
+    t = t.detach().to("cpu").contiguous()
+    h = hashlib.blake2b(repr((tuple(t.shape), str(t.dtype))).encode(), digest_size=8)
+    h.update(t.numpy().tobytes())
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def _pad_mask(mask: FlashMask, n: int) -> FlashMask:
+    """``mask`` over ``n >= mask.num_rows`` tokens; each added token sees only itself (a document of
+    its own, so no real row sees it and its own row is not empty)."""
+    b, h, old, m = mask.fms.shape
+    if n == old:
+        return mask
+    cols = torch.arange(old, n, dtype=torch.int32, device=mask.device).view(1, 1, -1, 1).expand(b, h, -1, 1)
+    fms = torch.cat([cols, torch.full((b, h, n - old, m - 1), n, dtype=torch.int32, device=mask.device)], -1)
+    fme = torch.cat([cols, torch.full((b, h, n - old, m - 1), -1, dtype=torch.int32, device=mask.device)], -1)
+    return FlashMask(torch.cat([mask.fms, fms], 2), torch.cat([mask.fme, fme], 2), n, validate=False)
+
+
+def row_mask(inputs: dict, causal: bool = True) -> FlashMask:
+    """The full row's FlashMask ``[B, 1|H, N]`` from a batch (``input_ids [B, N]``), in the HF
+    backend's order: ``flashmask`` / ``fms``+``fme``, else ``cu_seq_lens_k``, else restarting
+    ``position_ids``, else causal; a 2-D ``attention_mask`` ``[B, N]`` makes padding keys invisible."""
+    from fm_parallel.integrations import transformers as fm_hf
+
+    b, n = inputs["input_ids"].shape
+    mask = fm_hf._caller_mask(inputs.get("flashmask"), inputs.get("fms"), inputs.get("fme"), n, "cpu")
+    if mask is None and inputs.get("cu_seq_lens_k") is not None:
+        mask = fm_hf._documents_from_cu_seqlens(inputs.get("cu_seq_lens_q"), inputs["cu_seq_lens_k"], n, causal, "cpu")
+    elif mask is None and inputs.get("position_ids") is not None:
+        mask = fm_hf._documents_from_positions(inputs["position_ids"].cpu(), b, n, causal, "cpu")
+    elif mask is None:
+        mask = fm_hf._default_mask(n, causal, torch.device("cpu"))
+    if mask.num_rows != n:
+        raise ValueError(f"flashmask: expected a mask over the batch's {n} tokens, got {mask.num_rows} rows")
+    padding = inputs.get("attention_mask")
+    if padding is not None and not bool(padding.all()):
+        mask = fm_hf._with_padding(mask, padding.cpu())
+    return mask
+
+
+def shifted(inputs: dict, name: str = "labels", fill: int = -100) -> torch.Tensor:
+    """``inputs[name] [B, N]`` moved one position left on the full row, per document: position ``t``
+    holds what it predicts (``labels[:, t + 1]``), ``fill`` at each document's last token (where the
+    next position starts a new document by ``position_ids`` / ``cu_seq_lens_k``) and at the row's end.
+    ``shift_labels`` from the collator, when present, are taken as they are."""
+    if name == "labels" and inputs.get("shift_labels") is not None:
+        return inputs["shift_labels"]
+    x = inputs[name]
+    out = torch.full_like(x, fill)
+    out[:, :-1] = x[:, 1:]
+    starts = None
+    if inputs.get("cu_seq_lens_k") is not None:
+        starts = torch.zeros_like(x, dtype=torch.bool)
+        bounds = inputs["cu_seq_lens_k"].to(x.device).long()
+        starts[:, bounds[(bounds > 0) & (bounds < x.shape[1])]] = True
+    elif inputs.get("position_ids") is not None and inputs.get("flashmask") is None:
+        pos = inputs["position_ids"].to(x.device).expand_as(x)
+        starts = torch.zeros_like(x, dtype=torch.bool)
+        starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    if starts is not None:  # a document's last token does not predict the next document's first
+        out[:, :-1] = torch.where(starts[:, 1:], torch.full_like(out[:, :-1], fill), out[:, :-1])
+    return out
+
+
+@dataclass
+class _Row:
+    """One micro-batch as this rank computes on it. ``model_inputs``: what the model is called with
+    (this rank's ``[B, N / P]`` tokens and global positions, the prepared mask, the context; or the
+    full row at degree 1). ``targets``, ``segment``, ``sample``: the shifted labels / layout, this rank's
+    tokens. ``samples``: preference samples per row (0 for documents)."""
+
+    model_inputs: dict
+    targets: torch.Tensor
+    segment: torch.Tensor | None
+    sample: torch.Tensor | None
+    samples: int
+
+
+class ContextParallelMixin:
+    """Put before a ``transformers.Trainer`` subclass (or use :func:`context_parallel`); adds ``cp=``.
+
+    Args:
+        cp: a :class:`ContextParallelConfig` (default: degree 1).
+        *args, **kwargs: the trainer's own.
+    ``self.cp_layout`` says where this rank sits (``dp``, ``dp_rank``, ``cp_rank``).
+    """
+
+    loss_is_scaled_for_ga = True  # normalised by the whole step's targets (num_items_in_batch), as HF's own loss
+
+    def __init__(self, *args, cp: ContextParallelConfig | None = None, **kwargs):
+        cp = ContextParallelConfig() if cp is None else cp
+        if not isinstance(cp, ContextParallelConfig):
+            raise ValueError(f"cp: expected a ContextParallelConfig, got {type(cp).__name__}")
+        super().__init__(*args, **kwargs)
+        self.cp = cp
+        self._check_arguments()
+        self.cp_layout = _Layout(cp)
+
+    def _check_arguments(self) -> None:
+        """Refuse, by name, what would be silently wrong under this wrapper's loss and sampling."""
+        from fm_parallel.integrations.dpo import _check_attention
+
+        args = self.args
+        _check_attention(self.model, "model")  # any other attention ignores the mask (and the context)
+        if self.compute_loss_func is not None:
+            raise ValueError("compute_loss_func: expected None with cp= (the loss is computed on the rank's shard), got a function")
+        if getattr(self, "label_smoother", None) is not None:
+            raise ValueError(f"label_smoothing_factor: expected 0 with cp=, got {args.label_smoothing_factor}")
+        if not args.average_tokens_across_devices:
+            raise ValueError("average_tokens_across_devices: expected True with cp= (the loss is divided by the targets of "
+                             "every rank of the step, each CP group counted once), got False")
+        if args.n_gpu > 1:
+            raise ValueError(f"n_gpu: expected at most 1 per process with cp= (launch one process per GPU with torchrun; "
+                             f"DataParallel would split the row), got {args.n_gpu}")
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError("deepspeed / fsdp: expected neither with cp= (DDP only; DeepSpeed's own Ulysses: "
+                             "fm_parallel.integrations.deepspeed), got " + ("deepspeed" if self.is_deepspeed_enabled else "fsdp"))
+        pc = getattr(self.accelerator, "parallelism_config", None)
+        if pc is not None and (getattr(pc, "cp_enabled", False) or getattr(pc, "sp_enabled", False)):
+            raise ValueError("parallelism_config: expected no accelerate cp_size / sp_size with cp= (two context "
+                             "parallelisms; accelerate's forces a causal mask), got " + repr(pc))
+
+    # ------------------------------------------------------------------ data
+    def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False, dataloader_key=None):
+        """The Trainer's training loader, sharded over the data-parallel groups: every rank of a CP
+        group gets the same batches (accelerate's ``prepare`` would give each rank its own)."""
+        if not is_training or self.cp.degree == 1:
+            return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
+        from accelerate.data_loader import prepare_data_loader
+        from torch.utils.data import DataLoader
+
+        acc = self.accelerator
+        real = acc.prepare
+        captured = {}
+
+        def capture(loader, *a, **k):  # the Trainer's own DataLoader (collator, sampler, workers), unprepared
+            captured["loader"] = loader
+            return loader
+
+        acc.prepare = capture
+        try:
+            super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
+        finally:
+            acc.prepare = real
+        loader: DataLoader = captured["loader"]
+        lay = self.cp_layout
+        return prepare_data_loader(loader, acc.device, num_processes=lay.dp, process_index=lay.dp_rank,
+                                   split_batches=acc.split_batches, put_on_device=acc.device_placement,
+                                   rng_types=acc.rng_types.copy(), dispatch_batches=False, even_batches=acc.even_batches,
+                                   use_seedable_sampler=acc.use_seedable_sampler, data_seed=acc.dataloader_config.data_seed,
+                                   non_blocking=acc.non_blocking, use_stateful_dataloader=acc.use_stateful_dataloader)
+
+    def _get_num_items_in_batch(self, batch_samples: list, device):
+        """Targets of the whole step: the shifted labels of every micro-batch, summed over the
+        data-parallel groups (each CP group's ranks hold the same batch: counted once)."""
+        if not batch_samples or "labels" not in batch_samples[0]:
+            return None
+        count = sum(int((shifted(b) != -100).sum()) for b in batch_samples)
+        total = torch.tensor(count, dtype=torch.int64, device=device)
+        if self.cp_layout.world > 1:
+            total = total.cpu()
+            dist.all_reduce(total)  # the world's sum: each group's count appears degree times
+            total = (total // self.cp.degree).to(device)
+        return total
+
+    # ------------------------------------------------------------------ one row
+    def _cp_row(self, inputs: dict) -> _Row:
+        """Shard one micro-batch (see the module docstring, steps 1-4)."""
+        lay, cfg = self.cp_layout, self.cp
+        unknown = sorted(k for k in inputs if k not in _READ_KEYS and k not in _IGNORED_KEYS)
+        problem = (f"inputs: expected only the keys {list(_READ_KEYS)} (and {list(_IGNORED_KEYS)}) with cp=, got {unknown} "
+                   "(a per-token field this wrapper would not shard)") if unknown else None
+        if cfg.degree > 1:
+            # First, before anything one rank alone could fail on: the group holds one batch.
+            from fm_parallel.distributed.comm import check_agreement
+
+            names = ["input_ids", "labels", "position_ids", "flashmask", "fms", "cu_seq_lens_k", "attention_mask", "fm_segment"]
+            try:
+                check_agreement([_digest(inputs.get(k)) for k in names], names, groups=lay.groups, problem=problem)
+            except ValueError as e:
+                if str(e).startswith("rank "):  # a rank's own problem, raised by every rank as it is
+                    raise
+                raise ValueError(f"batch: expected the same batch on every rank of a context-parallel group (its ranks hold "
+                                 f"shards of one row; data parallelism runs across groups), got {e}") from None
+        elif problem:
+            raise ValueError(problem)
+        ids = inputs["input_ids"]
+        device = ids.device
+        b, n = ids.shape
+        mask = row_mask(inputs)
+        targets = shifted(inputs).to(device)
+        segment = sample = None
+        samples = 0
+        if inputs.get("fm_segment") is not None:
+            segment, sample = shifted(inputs, "fm_segment", -1).to(device), shifted(inputs, "fm_sample", -1).to(device)
+            samples = int(inputs["fm_sample"].max()) + 1
+        positions = inputs.get("position_ids")
+        positions = torch.arange(n, device=device).expand(b, n) if positions is None else positions.to(device).expand(b, n)
+        if cfg.degree == 1:
+            model_inputs = {"input_ids": ids, "position_ids": positions, "flashmask": mask}
+            return _Row(model_inputs, targets, segment, sample, samples)
+        multiple = length_multiple(cfg.degree, cfg.balance)
+        pad = -n % multiple
+        if pad:  # padding: its own documents, no targets
+            ids = F.pad(ids, (0, pad))
+            targets = F.pad(targets, (0, pad), value=-100)
+            positions = torch.cat([positions, torch.arange(pad, device=device).expand(b, pad)], 1)
+            segment = None if segment is None else F.pad(segment, (0, pad), value=-1)
+            sample = None if sample is None else F.pad(sample, (0, pad), value=-1)
+            mask = _pad_mask(mask, n + pad)
+        plan = shard(mask, cfg.degree, cfg.balance)
+        ctx = lay.context(plan)
+        prepared = ctx.prepare(mask, device=device)  # collective: once per micro-batch, every layer reuses it
+        part = lambda t: None if t is None else plan.shard(t, lay.cp_rank, dim=1)  # noqa: E731
+        model_inputs = {"input_ids": part(ids), "position_ids": part(positions), "flashmask": prepared, "fm_context": ctx}
+        return _Row(model_inputs, part(targets), part(segment), part(sample), samples)
+
+    # ------------------------------------------------------------------ loss
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Next-token loss of the rank's shard: ``sum CE / num_items_in_batch x world`` (DDP averages
+        the gradients over the world; the shares of a CP group sum to its row's loss). Without
+        ``num_items_in_batch`` (evaluation) the group's loss on this batch, replicated."""
+        row = self._cp_row(inputs)
+        outputs = model(**row.model_inputs, use_cache=False)
+        logits = outputs.logits
+        local = F.cross_entropy(logits.flatten(0, 1).float(), row.targets.flatten(), ignore_index=-100, reduction="sum")
+        if num_items_in_batch is not None:
+            loss = local / num_items_in_batch * self.cp_layout.world
+        else:
+            count = torch.tensor(float((row.targets != -100).sum()), device=local.device)
+            loss = self.cp_layout.cp_sum(local) / self.cp_layout.cp_sum(count).clamp(min=1)
+        return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # Under CP the logits are a shard's: evaluation gives the loss only.
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+
+class _ContextParallelDPO(ContextParallelMixin):
+    """:class:`fm_parallel.integrations.dpo.FlashMaskDPOTrainer` under CP: each rank sums the
+    log-probabilities of its tokens per (sample, response), the sums are added over the CP group
+    (differentiable), and the replicated DPO loss follows (the mean over the micro-batch's pairs)."""
+
+    loss_is_scaled_for_ga = False  # a mean over this micro-batch's pairs, as FlashMaskDPOTrainer's
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        return None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        from fm_parallel import logprobs
+        from fm_parallel.integrations.dpo import dpo_loss
+
+        if not isinstance(inputs, dict) or "fm_segment" not in inputs:
+            got = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
+            raise ValueError(f"inputs: expected FlashMaskCollator preference rows (fm_segment, fm_sample), got keys {got}")
+        row = self._cp_row(inputs)
+        b = inputs["input_ids"].shape[0]
+        row_samples = (inputs["fm_sample"].max(dim=1).values + 1).tolist()
+
+        def logps(logits):
+            per_token = logprobs.token_logps(logits, row.targets)
+            sums = logprobs.response_sums(per_token, row.segment, row.sample, samples=row.samples, responses=2,
+                                          scored=row.targets >= 0)
+            sums = self.cp_layout.cp_sum(sums).view(b, row.samples, 2)
+            return torch.cat([sums[r, :s] for r, s in enumerate(row_samples)])
+
+        outputs = model(**row.model_inputs, use_cache=False)
+        policy = logps(outputs.logits)
+        with torch.no_grad():
+            if self.ref_model is not None:
+                ref_logits = self.ref_model(**row.model_inputs, use_cache=False).logits
+            else:
+                unwrapped = self.accelerator.unwrap_model(model)
+                with unwrapped.disable_adapter():
+                    ref_logits = unwrapped(**row.model_inputs, use_cache=False).logits
+            reference = logps(ref_logits)
+        losses, metrics = dpo_loss(policy, reference, self.beta)
+        loss = losses.mean()
+        mode = "train" if model.training else "eval"
+        for key, value in metrics.items():
+            self._metrics[mode][key].append(self.accelerator.gather_for_metrics(value).float().mean().item())
+        return (loss, outputs) if return_outputs else loss
+
+
+@functools.lru_cache(maxsize=None)
+def context_parallel(trainer_class: type) -> type:
+    """``trainer_class`` (``Trainer``, TRL's ``SFTTrainer``, ``FlashMaskDPOTrainer``, a subclass) with the
+    ``cp=`` switch: ``ContextParallel<Name>``, the mixin first in its MRO. The same class every call."""
+    from transformers import Trainer
+
+    from fm_parallel.integrations.dpo import FlashMaskDPOTrainer
+
+    if not isinstance(trainer_class, type) or not issubclass(trainer_class, Trainer):
+        raise ValueError(f"trainer_class: expected a transformers.Trainer subclass, got {trainer_class!r}")
+    if issubclass(trainer_class, ContextParallelMixin):
+        return trainer_class
+    mixin = _ContextParallelDPO if issubclass(trainer_class, FlashMaskDPOTrainer) else ContextParallelMixin
+    return type(f"ContextParallel{trainer_class.__name__}", (mixin, trainer_class), {"__module__": __name__})
