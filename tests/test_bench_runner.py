@@ -1,0 +1,78 @@
+"""The benchmark runner (launch/bench/run.py): its catalogue, its table in the docs, its refusals, and
+one CPU suite end to end."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNNER = [sys.executable, str(ROOT / "launch" / "bench" / "run.py")]
+
+
+def runner(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*RUNNER, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def test_list_prints_every_benchmark_and_the_docs_hold_the_same_table():
+    sys.path.insert(0, str(ROOT))
+    from launch.bench.run import CATALOGUE, SUITES, table
+
+    proc = runner("--list")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == table()
+    assert set(SUITES) == {"kernel", "trainer", "long-context", "cp", "cpu", "tune"}
+    for b in CATALOGUE:
+        assert (ROOT / "launch" / "bench" / b.script).is_file(), b
+        assert f"| {b.suite} | {b.name} |" in proc.stdout
+    assert table() in (ROOT / "docs" / "benchmarks" / "README.md").read_text(), \
+        "docs/benchmarks/README.md: paste the output of `python launch/bench/run.py --list`"
+
+
+def test_every_script_under_launch_bench_is_in_the_catalogue_or_a_helper():
+    from launch.bench.run import CATALOGUE
+
+    helpers = {"run.py", "plots.py", "ranks.py", "repeats.py"}
+    scripts = {p.name for p in (ROOT / "launch" / "bench").glob("*") if p.is_file()}
+    assert scripts - helpers == {b.script for b in CATALOGUE}
+
+
+def test_a_dry_run_prints_the_documented_commands_and_torchrun_takes_nproc():
+    proc = runner("--suite", "cp", "--dry-run", "--nproc", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert "== cp-scaling: torchrun --nproc_per_node 4 launch/bench/cp_scaling.py" in proc.stdout
+    assert "== ring-cpu: python launch/bench/ring_cpu.py" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--suite", "cp", "--", "--n", "4"], "arguments after --: expected one benchmark selected with --only, got 3"),
+    (["--suite", "cp", "--only", "kernel"], "--only: expected benchmarks of suite 'cp'"),
+    (["--suite", "gpu"], "argument --suite: invalid choice: 'gpu'"),
+    ([], "--suite: expected one of kernel, trainer, long-context, cp, cpu, tune"),
+    (["--suite", "cp", "--nproc", "0"], "--nproc: expected at least 1, got 0"),
+])
+def test_bad_arguments_are_refused_by_name(args, message):
+    proc = runner(*args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the skip on a machine without a GPU")
+def test_a_gpu_suite_without_a_gpu_is_skipped_saying_so():
+    proc = runner("--suite", "trainer")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "skipped trainer: needs 1 CUDA GPU(s), found 0" in proc.stdout
+    assert "no benchmark of suite 'trainer' can run here" in proc.stderr
+
+
+def test_the_cpu_suite_runs_end_to_end_and_writes_json_table_and_plot(tmp_path):
+    proc = runner("--suite", "cpu", "--only", "cpu-attention", "--", "--n", "256", "--masks", "docs512", "--quick",
+                  "--out", str(tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "== cpu-attention: python launch/bench/cpu_attention.py --n 256" in proc.stdout
+    data = json.loads((tmp_path / "cpu_attention.json").read_text())
+    assert len(data["rows"]) == 4 and not [r for r in data["rows"] if "error" in r]  # 2 impls x fwd, fwd+bwd
+    assert all(r["time_ms"] > 0 and "peak_mib" in r for r in data["rows"])
+    assert (tmp_path / "cpu_attention.png").stat().st_size > 0
+    assert "| docs512 | 256 | fwd |" in (tmp_path / "cpu_attention.md").read_text()
