@@ -147,6 +147,19 @@ def _digest(t) -> int:
     return int.from_bytes(h.digest(), "little") >> 1
 
 
+def _by_rank(message: str) -> str:
+    """The agreement's ``name: expected the same value on every rank, got [d0, d1, ...] (by rank)``
+    with each digest shown as ``same as rank 0`` / ``different`` (the digests themselves say nothing)."""
+    import re
+
+    found = re.search(r"got \[([0-9', ]+)\] \(by rank\)", message)
+    if not found:
+        return message
+    codes = [c.strip(" '") for c in found.group(1).split(",")]
+    shown = ", ".join("same as rank 0" if c == codes[0] else "different" for c in codes)
+    return message[: found.start()] + f"got [{shown}] (by rank of the group)" + message[found.end():]
+
+
 def _pad_mask(mask: FlashMask, n: int) -> FlashMask:
     """``mask`` over ``n >= mask.num_rows`` tokens; each added token sees only itself (a document of
     its own, so no real row sees it and its own row is not empty)."""
@@ -324,7 +337,7 @@ class ContextParallelMixin:
                 if str(e).startswith("rank "):  # a rank's own problem, raised by every rank as it is
                     raise
                 raise ValueError(f"batch: expected the same batch on every rank of a context-parallel group (its ranks hold "
-                                 f"shards of one row; data parallelism runs across groups), got {e}") from None
+                                 f"shards of one row; data parallelism runs across groups), got {_by_rank(str(e))}") from None
         elif problem:
             raise ValueError(problem)
         ids = inputs["input_ids"]
