@@ -2,8 +2,10 @@
 predicts for P GPUs.
 
     python launch/bench/cp_layer_cost.py                                   # H200: P 2 4 8, N 128k-1M
-    python launch/bench/cp_layer_cost.py --device cpu --ns 512 --ps 2 --heads 4 --kv-heads 2 \\
-        --head-dim 16 --dtype float32 --layers 2 --impl torch                 # mechanics on a CPU
+    python launch/bench/run.py --suite cp --only cp-layer-cost            # the same, through the runner
+
+CUDA only (``--device cpu`` is refused: use ring_cpu.py); its ring mechanics are tested on the CPU in
+tests/test_launch.py (the Loopback transport through ``ring_attention_over``).
 
 For every (mask family, N, P, balance) and every rank r of P, this process runs rank r's real ring
 code (``fm_parallel.distributed.ring``: the prepared mask, transfer skipping, the local kernel per

@@ -1,4 +1,4 @@
-"""Shared by the multi-rank benchmarks (verify_multi_gpu.py, cp_scaling.py): start the process group
+"""Shared by the multi-rank scripts (cp_scaling.py, tests/gpu/multi_gpu.py): start the process group
 under torchrun and describe this rank."""
 
 from __future__ import annotations
