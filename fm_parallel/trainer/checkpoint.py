@@ -57,6 +57,7 @@ def save(cfg: Config, model, optim, step: int, rows_done: int, rows_per_step: in
 def load(path: Path, model, optim, stop) -> tuple[int, int, int]:
     """Restore a verified checkpoint; returns (step, rows done, rows per step)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: `except Exception` misses it
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     runs.verify_checkpoint(path, stop)
@@ -66,8 +67,8 @@ def load(path: Path, model, optim, stop) -> tuple[int, int, int]:
     state = {"model": model_sd, "optim": optim_sd, "progress": progress}
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # noqa: BLE001 - another adapter shape or format: say which checkpoint, not a stack
-        raise runs.CheckpointError(f"--resume: {path} cannot be loaded into this model ({type(e).__name__}: {str(e)[:300]})") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a damaged shard of an unverified (older) checkpoint
+        raise runs.load_failure(path, e, "--resume") from None
     # Only the adapter was saved: the frozen base weights come from the model build, not the checkpoint.
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(ignore_frozen_params=True, strict=False))

@@ -97,3 +97,22 @@ def test_the_other_unreadable_checkpoints_are_one_error_line_each(older_run, tmp
 
     (tmp_path / "file").write_text("")
     assert error(older_run, "--out", tmp_path / "file" / "adapter").startswith("error: --out: cannot write the adapter")
+
+
+def test_resume_from_an_unreadable_shard_is_one_error_line(older_run, tmp_path):
+    """The trainer's ``--resume`` on a checkpoint whose checksums match bytes dcp cannot read: dcp's
+    ``CheckpointException`` is a ``BaseException``, which resume's ``except Exception`` let through as a
+    traceback from every rank."""
+    from fm_parallel.trainer import runs
+
+    run, ckpt = _copy(older_run, tmp_path / "run")
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    runs.write_checksums(ckpt)  # signed after the damage: the bytes verify, dcp cannot read them
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FM_")}
+    proc = subprocess.run([sys.executable, "-m", "fm_parallel.launch", *TINY, "--training.steps", "2", "--training.reschedule", "true", "--output.dir",
+                           str(run), "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(env, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    line = _one_error_line(proc.stderr)
+    assert f"--resume: {ckpt} cannot be loaded (EOFError" in line and "truncated" in line, line
