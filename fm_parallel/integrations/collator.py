@@ -7,6 +7,7 @@ FlashMask built next to ``input_ids``.
                       train_dataset=documents, data_collator=collator)             # SFT / prefix-LM rows
     trainer = FlashMaskDPOTrainer(model=peft_model, args=..., train_dataset=pairs)  # preference rows: DPO
                                                               # (fm_parallel.integrations.dpo)
+    batch = FlashMaskCollator(preference=True)(pairs)         # preference rows for your own scoring
 
 Examples (one kind per batch; token ids in ``[0, vocab_size)``):
 
@@ -16,7 +17,8 @@ Examples (one kind per batch; token ids in ``[0, vocab_size)``):
 * ``{"prompt_ids": [...], "response_ids": [[...], [...], ...]}``: one prompt, k responses that each see
   the prompt and themselves, never each other (``{"prompt_ids", "chosen_ids", "rejected_ids"}`` is the
   DPO form, k = 2; k is the same for every example of a batch). Responses get the ``position_ids``
-  they would have after the prompt alone.
+  they would have after the prompt alone. Only with ``preference=True`` (``FlashMaskDPOTrainer`` sets it):
+  a plain ``Trainer`` cannot train these rows, whatever its attention.
 
 The batch holds ``input_ids``, ``labels`` (-100 where nothing is scored; a model shifts them as usual),
 ``position_ids`` ``[B, N]`` and ``flashmask`` (a :class:`FlashMask` ``[B, 1, N]``), which the
@@ -66,9 +68,15 @@ class FlashMaskCollator:
         vocab_size: when given, token ids must be below it (``model.config.vocab_size``): an id past
             the embedding is refused here, by field, instead of failing inside the model (a device-side
             assert on a GPU). Negative ids are always refused.
+        preference: True to accept preference rows (``prompt_ids`` + responses): their batches are for
+            a preference loss, which ``FlashMaskDPOTrainer`` (it sets this) or your own scoring with
+            :func:`response_logps` computes. False (the default) refuses them naming both, because a
+            plain ``Trainer`` would train next-token loss on both responses, and with an attention
+            other than ``fm_parallel`` (``sdpa``) nothing else could say so: the model ignores the mask.
     """
 
-    def __init__(self, seq_len: int | None = None, pad_token_id: int = 0, vocab_size: int | None = None):
+    def __init__(self, seq_len: int | None = None, pad_token_id: int = 0, vocab_size: int | None = None,
+                 preference: bool = False):
         if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2):
             raise ValueError(f"seq_len: expected None or an int >= 2, got {seq_len!r}")
         if vocab_size is not None and (not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1):
@@ -77,7 +85,10 @@ class FlashMaskCollator:
                 or (vocab_size is not None and pad_token_id >= vocab_size)):
             bound = f"in [0, {vocab_size})" if vocab_size is not None else ">= 0"
             raise ValueError(f"pad_token_id: expected an int {bound}, got {pad_token_id!r}")
+        if not isinstance(preference, bool):
+            raise ValueError(f"preference: expected True or False, got {preference!r}")
         self.seq_len, self.pad_token_id, self.vocab_size = seq_len, pad_token_id, vocab_size
+        self.preference = preference
 
     # ------------------------------------------------------------- examples
     def _parse(self, example, index: int) -> tuple[str, list[list[int]], int | list[bool]]:
@@ -87,6 +98,12 @@ class FlashMaskCollator:
         where = f"examples[{index}]"
         ids_of = lambda key, value: _ids(value, f"{where}[{key!r}]", self.vocab_size)  # noqa: E731
         if "prompt_ids" in example:
+            if not self.preference:
+                raise ValueError(
+                    f"{where}: expected documents (input_ids) from FlashMaskCollator(preference=False), got a preference "
+                    "row (prompt_ids + responses): a plain Trainer would train next-token loss on both responses, not a "
+                    "preference objective. Train with fm_parallel.integrations.dpo.FlashMaskDPOTrainer (it builds its "
+                    "collator), or pass FlashMaskCollator(preference=True) and score the batch with response_logps")
             # Fields of the other forms would be dropped without a word: refuse them.
             clash = [k for k in ("input_ids", "labels", "prefix_len") if k in example]
             if "response_ids" in example:

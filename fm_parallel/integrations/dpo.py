@@ -69,8 +69,9 @@ class FlashMaskDPOTrainer(Trainer):
         args: ``TrainingArguments``; ``remove_unused_columns`` may stay True (the example fields are kept).
         ref_model: the frozen reference model (same attention), or None (peft: adapter disabled).
         beta: the DPO temperature, > 0.
-        data_collator: default ``FlashMaskCollator(vocab_size=model.config.vocab_size)``, one row per
-            batch; pass ``FlashMaskCollator(seq_len=...)`` to pack into rows of a fixed length.
+        data_collator: default ``FlashMaskCollator(vocab_size=model.config.vocab_size, preference=True)``,
+            one row per batch; pass ``FlashMaskCollator(seq_len=...)`` to pack into rows of a fixed length
+            (used with ``preference=True``).
         **kwargs: the rest of ``Trainer``'s arguments (``train_dataset``, ``eval_dataset``, ...).
     Examples: ``{"prompt_ids", "chosen_ids", "rejected_ids"}`` (or ``response_ids`` with two
     responses), lists of token ids. The loss of a step is the mean over its pairs, as TRL's.
@@ -94,7 +95,11 @@ class FlashMaskDPOTrainer(Trainer):
             config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
             pad = getattr(config, "pad_token_id", None)
             data_collator = FlashMaskCollator(pad_token_id=pad if isinstance(pad, int) and pad >= 0 else 0,
-                                              vocab_size=getattr(config, "vocab_size", None))
+                                              vocab_size=getattr(config, "vocab_size", None), preference=True)
+        elif isinstance(data_collator, FlashMaskCollator) and not data_collator.preference:
+            # The user's packing settings, for the rows this trainer exists for (a copy: theirs is left as given).
+            data_collator = FlashMaskCollator(data_collator.seq_len, data_collator.pad_token_id, data_collator.vocab_size,
+                                              preference=True)
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         self.beta = float(beta)
         self.ref_model = None

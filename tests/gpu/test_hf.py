@@ -72,7 +72,7 @@ def case_collator_dpo(device, name, impl):
     samples = [{"prompt_ids": torch.randint(0, 512, (300,), generator=g).tolist(),
                 "chosen_ids": torch.randint(0, 512, (200 + 10 * i,), generator=g).tolist(),
                 "rejected_ids": torch.randint(0, 512, (150,), generator=g).tolist()} for i in range(6)]
-    batch = FlashMaskCollator(seq_len=2048)(samples)
+    batch = FlashMaskCollator(seq_len=2048, preference=True)(samples)
     on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def layout_logps(model, dev):

@@ -30,7 +30,7 @@ def test_shared_prompt_preference_rows_give_each_pair_its_own_log_probs(models):
     ours, ref = models
     samples = [{"prompt_ids": tokens(9, 3 * i), "chosen_ids": tokens(5 + i, 3 * i + 1), "rejected_ids": tokens(7, 3 * i + 2)}
                for i in range(5)]
-    batch = FlashMaskCollator(seq_len=64)(samples)
+    batch = FlashMaskCollator(seq_len=64, preference=True)(samples)
     assert batch["input_ids"].shape == (3, 64) and batch["flashmask"].batch == 3  # 21-23 tokens each: 2 per row
     with torch.no_grad():
         got = response_logps(ours(**{k: batch[k] for k in ("input_ids", "position_ids", "flashmask")}, use_cache=False).logits, batch)
@@ -50,7 +50,7 @@ def test_reward_model_rows_take_any_number_of_responses(models):
 
     ours, _ = models
     sample = {"prompt_ids": tokens(6, 0), "response_ids": [tokens(4, 1), tokens(5, 2), tokens(3, 3), tokens(6, 4)]}
-    batch = FlashMaskCollator()([sample, sample])
+    batch = FlashMaskCollator(preference=True)([sample, sample])
     assert batch["input_ids"].shape == (1, 48)
     with torch.no_grad():
         logps = response_logps(ours(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
@@ -67,7 +67,7 @@ def test_response_logps_reads_the_batchs_layout_and_refuses_a_contradicting_coun
     ours, ref = models
     samples = [{"prompt_ids": tokens(5 + s, 10 * s), "response_ids": [tokens(3 + r, 10 * s + r + 1) for r in range(4)]}
                for s in range(3)]
-    batch = FlashMaskCollator(seq_len=40)(samples)  # 23-28 tokens a sample: one per row, three rows
+    batch = FlashMaskCollator(seq_len=40, preference=True)(samples)  # 23-28 tokens a sample: one per row, three rows
     with torch.no_grad():
         logits = ours(input_ids=batch["input_ids"], position_ids=batch["position_ids"], flashmask=batch["flashmask"]).logits
         got = response_logps(logits, batch)
@@ -171,7 +171,7 @@ def test_bad_examples_are_named(examples, message):
     from fm_parallel.integrations.collator import FlashMaskCollator
 
     with pytest.raises(ValueError, match=message):
-        FlashMaskCollator(seq_len=64)(examples)
+        FlashMaskCollator(seq_len=64, preference=True)(examples)
     with pytest.raises(ValueError, match="seq_len: expected None or an int >= 2"):
         FlashMaskCollator(seq_len=0)
 
@@ -179,7 +179,7 @@ def test_bad_examples_are_named(examples, message):
 def test_ids_past_the_vocabulary_are_named_when_it_is_known():
     from fm_parallel.integrations.collator import FlashMaskCollator
 
-    collator = FlashMaskCollator(vocab_size=128)
+    collator = FlashMaskCollator(vocab_size=128, preference=True)
     assert collator([{"input_ids": [0, 127]}])["input_ids"].tolist() == [[0, 127]]
     with pytest.raises(ValueError, match=r"\['response_ids'\]\[0\]: expected token ids in \[0, 128\), got 128 at index 1"):
         collator([{"prompt_ids": [1], "response_ids": [[2, 128], [3]]}])

@@ -127,18 +127,24 @@ def test_ref_model_evaluation_equals_dpo_by_hand_on_each_sequence_alone():
 
 
 def test_plain_trainer_or_forward_on_preference_rows_raises_naming_the_fix():
-    """Before: the Trainer trained next-token loss on both responses without a word (issue 31.4)."""
+    """Before: the Trainer trained next-token loss on both responses without a word (issue 31.4); on an
+    ``sdpa`` model it still did, the backend's guard never running: the collator refuses pairs unless asked."""
     from transformers import Trainer, TrainingArguments
 
     from fm_parallel.integrations import transformers as fm_hf
     from fm_parallel.integrations.collator import FlashMaskCollator
 
     model = lora(tiny_llama(fm_hf.register()))
+    for attention in ("sdpa", fm_hf.register()):  # sdpa ignores the mask: only the collator can say it
+        trainer = Trainer(model=lora(tiny_llama(attention)), args=TrainingArguments(**common_args(remove_unused_columns=False)),
+                          train_dataset=pairs(), data_collator=FlashMaskCollator())
+        with pytest.raises(ValueError, match=r"examples\[0\]: .*preference row.*FlashMaskDPOTrainer"):
+            trainer.train()
     trainer = Trainer(model=model, args=TrainingArguments(**common_args(remove_unused_columns=False)),
-                      train_dataset=pairs(), data_collator=FlashMaskCollator())
+                      train_dataset=pairs(), data_collator=FlashMaskCollator(preference=True))
     with pytest.raises(ValueError, match="fm_segment: expected no preference-row layout.*FlashMaskDPOTrainer"):
         trainer.train()
-    batch = FlashMaskCollator()(pairs(2))
+    batch = FlashMaskCollator(preference=True)(pairs(2))
     with pytest.raises(ValueError, match="FlashMaskDPOTrainer"):
         model(**batch)
     model(**{k: batch[k] for k in ("input_ids", "position_ids", "flashmask")})  # the model's inputs alone are fine
