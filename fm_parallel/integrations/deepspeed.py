@@ -20,7 +20,14 @@ Two entry points:
         mpu = register_ulysses_hf(model, sequence_parallel_size=4, micro_batch_size=1)
         engine, *_ = deepspeed.initialize(model=model, config="launch/ds_config.json", mpu=mpu)
 
-Masks shared by all heads only in (b) (the wrapper does not tell which heads a rank holds).
+(c) ``ulysses_parallelism_config``: the same wrapper through the HF ``Trainer`` (DeepSpeed's ALST as
+    accelerate wires it): ``TrainingArguments(deepspeed=ds_config, parallelism_config=...)`` with our
+    attention as the core attention; packed ``position_ids`` and a collator's ``flashmask`` reach it on
+    the gathered sequence::
+
+        args = TrainingArguments(..., deepspeed=ds_config, parallelism_config=ulysses_parallelism_config(2))
+
+Masks shared by all heads only in (b) and (c) (the wrapper does not tell which heads a rank holds).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from fm_parallel.attention import flashmask_attention
 from fm_parallel.distributed.sharding import ShardPlan
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["FlashMaskLocalAttention", "register_ulysses_hf"]
+__all__ = ["FlashMaskLocalAttention", "register_ulysses_hf", "ulysses_parallelism_config"]
 
 
 class FlashMaskLocalAttention(torch.nn.Module):
@@ -85,3 +92,30 @@ def register_ulysses_hf(model, sequence_parallel_size: int, micro_batch_size: in
         micro_batch_size=micro_batch_size, seq_length=seq_length, seq_length_is_variable=seq_length is None,
         disable_in_eval=disable_in_eval,
     )
+
+
+def ulysses_parallelism_config(sp_size: int, seq_length: int | None = None):
+    """accelerate's ``ParallelismConfig(sp_backend="deepspeed", sp_size=sp_size)`` whose core attention
+    is ours (``TrainingArguments(parallelism_config=...)``; the HF Trainer then shards each batch with
+    DeepSpeed's ``UlyssesSPDataLoaderAdapter`` and wraps the attention in ``UlyssesSPAttentionHF``).
+
+    ``seq_length``: every batch's length, or None (variable). On gloo every batch of a step must have
+    the same length (DeepSpeed's loader gathers the ranks' batches with ``all_gather``, which gloo
+    refuses for unequal shapes): pad rows to one length (``FlashMaskCollator(seq_len=...)``). The batch
+    dimension must be ``per_device_train_batch_size`` (DeepSpeed checks it): one packed row per batch
+    means a batch size of 1. Needs ``deepspeed.comm`` initialised (``deepspeed.init_distributed``;
+    accelerate does not under ``use_cpu=True``).
+    """
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    from fm_parallel.integrations import transformers as fm_hf
+
+    if not isinstance(sp_size, int) or isinstance(sp_size, bool) or sp_size < 1:
+        raise ValueError(f"sp_size: expected an int >= 1, got {sp_size!r}")
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length=seq_length, sp_seq_length_is_variable=seq_length is None,
+                                              sp_attn_implementation="sdpa")
+    # accelerate's check lists flash-attn and sdpa names only; DeepSpeed's wrapper takes any name
+    # transformers has registered, and ours is the one that reads packed position_ids and flashmask.
+    handler.sp_attn_implementation = fm_hf.register()
+    return ParallelismConfig(sp_backend="deepspeed", sp_size=sp_size, sp_handler=handler)
