@@ -61,7 +61,7 @@ def _grads_at_first_step(store):
     return Grab()
 
 
-def train(kind: str, cp=None, batch: int = 3, dataset=None) -> dict:
+def train(kind: str, cp=None, batch: int = 3, dataset=None, output_dir=None, resume=None, **extra) -> dict:
     """``kind`` "sft" (Trainer + flattening collator) or "dpo" (FlashMaskDPOTrainer); ``cp`` None: the
     plain trainer (the reference), else ``context_parallel(...)(cp=cp)``. Per-step losses, the first
     step's LoRA gradients and the local token counts the model saw."""
@@ -74,9 +74,9 @@ def train(kind: str, cp=None, batch: int = 3, dataset=None) -> dict:
     seen = []
     model.get_base_model().model.embed_tokens.register_forward_hook(lambda m, a, out: seen.append(a[0].shape[1]))
     grads = {}
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=STEPS,
-                             learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0,
-                             disable_tqdm=True)
+    extra.setdefault("save_strategy", "no")
+    args = TrainingArguments(output_dir=output_dir or tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=STEPS,
+                             learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True, seed=0, disable_tqdm=True, **extra)
     common = dict(model=model, args=args, callbacks=[_grads_at_first_step(grads)])
     if kind == "sft":
         cls = Trainer if cp is None else context_parallel(Trainer)
@@ -85,7 +85,7 @@ def train(kind: str, cp=None, batch: int = 3, dataset=None) -> dict:
         cls = FlashMaskDPOTrainer if cp is None else context_parallel(FlashMaskDPOTrainer)
         common.update(train_dataset=dataset or _pairs(), beta=0.1)
     trainer = cls(**common) if cp is None else cls(**common, cp=cp)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {"losses": losses, "grads": {n: g.tolist() for n, g in grads.items()}, "seen": seen}
 
@@ -98,7 +98,7 @@ def _case(fn):
         return {"exception": f"{type(e).__name__}: {e}"}
 
 
-def ranks(rank, world, cases):
+def ranks(rank, world, cases, base=None):
     from fm_parallel.integrations import context_parallel as cpmod
     from fm_parallel.integrations.context_parallel import ContextParallelConfig
     from fm_parallel.masks import builders
@@ -118,6 +118,19 @@ def ranks(rank, world, cases):
                 out[name] = _case(lambda: train(kind, ContextParallelConfig(degree=degree, mode=mode), batch))
             finally:
                 cpmod.row_mask = real
+        elif name.startswith("resume"):
+            # 3 steps saving at step 2, then a new trainer resumed from checkpoint-2 (HF's save / resume:
+            # rank 0 writes the model, optimizer, scheduler; every rank its RNG state).
+            cfg, where = ContextParallelConfig(degree=degree, mode=mode), os.path.join(base, name)
+            full = _case(lambda: train(kind, cfg, batch, output_dir=where, save_strategy="steps", save_steps=2))
+            again = _case(lambda: train(kind, cfg, batch, output_dir=where, resume=os.path.join(where, "checkpoint-2"),
+                                        save_strategy="steps", save_steps=2))
+            out[name] = {"full": full, "resumed": again}
+        elif name.startswith("ga2"):
+            out[name] = _case(lambda: train(kind, ContextParallelConfig(degree=degree, mode=mode), batch,
+                                            gradient_accumulation_steps=2))
+        elif name.startswith("bf16"):
+            out[name] = _case(lambda: train(kind, ContextParallelConfig(degree=degree, mode=mode), batch, bf16=True))
         elif name.startswith("differs"):
             # Rank 1's dataset in another order: its batches differ from its group's.
             data = (_documents() if kind == "sft" else _pairs())
@@ -130,7 +143,8 @@ def ranks(rank, world, cases):
 
 CASES_2 = [("sft-ring", "sft", "ring", 2, 3), ("sft-ulysses", "sft", "ulysses", 2, 3), ("dpo-ring", "dpo", "ring", 2, 2),
            ("dpo-ulysses", "dpo", "ulysses", 2, 2), ("leak-sft-ring", "sft", "ring", 2, 3), ("leak-dpo-ulysses", "dpo", "ulysses", 2, 2),
-           ("differs-sft-ring", "sft", "ring", 2, 3)]
+           ("differs-sft-ring", "sft", "ring", 2, 3), ("ga2-sft-ring", "sft", "ring", 2, 3), ("bf16-sft-ulysses", "sft", "ulysses", 2, 3),
+           ("resume-sft-ring", "sft", "ring", 2, 3)]
 CASES_4 = [("sft-hybrid", "sft", "hybrid", 4, 3), ("dpo-hybrid", "dpo", "hybrid", 4, 2), ("sft-ring-dp2", "sft", "ring", 2, 3),
            ("differs-dpo-hybrid", "dpo", "hybrid", 4, 2)]
 
@@ -139,12 +153,14 @@ CASES_4 = [("sft-hybrid", "sft", "hybrid", 4, 3), ("dpo-hybrid", "dpo", "hybrid"
 def reference():
     """One process, the plain trainers: SFT with 3 and 6 documents per step (DP 2 x 3), DPO with 2 pairs."""
     os.environ.pop("WORLD_SIZE", None)
-    return {("sft", 3): train("sft", None, 3), ("sft", 6): train("sft", None, 6), ("dpo", 2): train("dpo", None, 2)}
+    return {("sft", 3): train("sft", None, 3), ("sft", 6): train("sft", None, 6), ("dpo", 2): train("dpo", None, 2),
+            "ga2": train("sft", None, 3, gradient_accumulation_steps=2), "bf16": train("sft", None, 3, bf16=True)}
 
 
 @pytest.fixture(scope="module")
 def two():
-    return run_ranks(ranks, 2, CASES_2, timeout=400)
+    with tempfile.TemporaryDirectory() as base:  # the checkpoints of the resume case, shared by the ranks
+        return run_ranks(ranks, 2, CASES_2, base, timeout=400)
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +178,7 @@ def _close(got: dict, want: dict) -> None:
         assert (h - g).abs().max() <= TOL * max(g.abs().max().item(), 1.0), name
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CASES_2 if "-" in c[0] and not c[0].startswith(("leak", "differs"))])
+@pytest.mark.parametrize("name", [c[0] for c in CASES_2 if c[0].startswith(("sft", "dpo"))])
 def test_two_ranks_equal_one_process(two, reference, name):
     kind, batch = next((c[1], c[4]) for c in CASES_2 if c[0] == name)
     for res in two:
@@ -177,6 +193,19 @@ def test_four_ranks_equal_one_process(four, reference, name):
     want = reference[("sft", 6)] if name.endswith("dp2") else reference[(kind, batch)]  # DP 2 x 3 documents = 6
     for res in four:
         _close(res[name], want)
+
+
+def test_gradient_accumulation_bf16_autocast_and_resume_as_one_process(two, reference):
+    for res in two:
+        _close(res["ga2-sft-ring"], reference["ga2"])  # 2 micro-batches a step: the step's targets normalise both
+        got, want = res["bf16-sft-ulysses"], reference["bf16"]
+        assert "exception" not in got, got
+        assert got["losses"] == pytest.approx(want["losses"], abs=2e-3), (got["losses"], want["losses"])  # bf16 rounding
+        full, resumed = res["resume-sft-ring"]["full"], res["resume-sft-ring"]["resumed"]
+        assert "exception" not in full and "exception" not in resumed, (full, resumed)
+        assert full["losses"] == pytest.approx(reference[("sft", 3)]["losses"], rel=TOL, abs=TOL)
+        # the resumed trainer logs step 3 only; it equals the uninterrupted run's step 3
+        assert resumed["losses"][-1] == pytest.approx(full["losses"][-1], rel=TOL, abs=TOL), (resumed["losses"], full["losses"])
 
 
 @pytest.mark.parametrize("name", ["leak-sft-ring", "leak-dpo-ulysses"])
