@@ -61,6 +61,8 @@ class ModelConfig:
     activation_checkpointing: bool = _key(True, "recompute each decoder layer in the backward")
     offload_layers: int = _key(0, "layers (from the first) whose checkpointed input lives in host memory; -1: all",
                                low=0, special=(-1,))
+    checkpoint_every: int = _key(1, "layers per activation checkpoint; k > 1 keeps every k-th layer's input only and "
+                                    "recomputes the k layers between from it (one more forward, exact)", low=1)
     attention: str = _key("flashmask", "flashmask | sdpa (dense N x N mask) | flex (BlockMask); the baselines need cp none",
                           choices=("flashmask", "sdpa", "flex"))
     tile_chunk: int = _key(0, "run each layer's per-token work over chunks of this many tokens (0: off)", low=0)
@@ -309,6 +311,10 @@ def check_before_start(cfg: Config) -> None:
         raise ConfigError(f"model.offload_layers: expected -1 (all) or 0..{m.layers} (model.layers), got {m.offload_layers}")
     if not m.activation_checkpointing and m.offload_layers:
         raise ConfigError(f"model.offload_layers: expected 0 without activation checkpointing, got {m.offload_layers}")
+    if not m.path and m.activation_checkpointing and m.checkpoint_every > m.layers:
+        raise ConfigError(f"model.checkpoint_every: expected 1..{m.layers} (model.layers), got {m.checkpoint_every}")
+    if not m.activation_checkpointing and m.checkpoint_every != 1:
+        raise ConfigError(f"model.checkpoint_every: expected 1 without activation checkpointing, got {m.checkpoint_every}")
 
 
 def describe() -> str:

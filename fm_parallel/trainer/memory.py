@@ -15,12 +15,14 @@ host memory taken (a one-GPU machine with 128 GiB of host memory cannot hold all
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["CheckpointPolicy", "HostOffload", "checkpoint_layers", "decoder_layers"]
+__all__ = ["CheckpointPolicy", "HostOffload", "MemoryPlan", "MemoryPlanError", "checkpoint_layers", "decoder_layers",
+           "plan_memory"]
 
 
 @dataclass
@@ -28,7 +30,7 @@ class CheckpointPolicy:
     """Live settings of ``checkpoint_layers``: change ``offload_layers`` between steps freely.
 
     ``offload_layers``: how many decoder layers (from the first) keep their checkpoint on the host;
-    -1 means all. ``host_bytes``: bytes of checkpointed inputs held in host memory since the last
+    -1 means all (with ``every`` k, a segment's checkpoint is offloaded when its first layer is). ``host_bytes``: bytes of checkpointed inputs held in host memory since the last
     ``reset()`` (one step's offloaded checkpoints when reset per step; on a CPU run they are counted
     though nothing moves).
     """
@@ -36,6 +38,7 @@ class CheckpointPolicy:
     num_layers: int
     offload_layers: int = 0
     host_bytes: int = 0
+    every: int = 1  # layers per checkpoint (fixed when the layers are wrapped: call checkpoint_layers again)
 
     def offloads(self, index: int) -> bool:
         return self.offload_layers < 0 or index < self.offload_layers
@@ -76,23 +79,134 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def checkpoint_layers(model, offload_layers: int = 0) -> CheckpointPolicy:
-    """Checkpoint every decoder layer of ``model`` (non-reentrant), offloading the inputs of the first
-    ``offload_layers`` layers (-1: all) to host memory. Returns the live policy."""
+def checkpoint_layers(model, offload_layers: int = 0, every: int = 1) -> CheckpointPolicy:
+    """Checkpoint the decoder layers of ``model`` (non-reentrant), offloading the checkpoints of the
+    first ``offload_layers`` layers (-1: all) to host memory. Returns the live policy.
+
+    ``every``: layers per checkpoint. 1: each layer keeps its input (one recompute in the backward).
+    k > 1: only every k-th layer's input is kept (``ceil(L / k)`` checkpoints instead of L); the
+    backward recomputes the k layers of a segment from it, holding their k inputs while it goes back
+    through them one layer at a time (nested checkpoints: one more forward of every layer, exact: the
+    same kernels on the same inputs). The first layer of a segment runs the whole segment; the other
+    layers of it pass their input through, so the model's own loop is unchanged. Every layer of a
+    segment gets the keyword inputs the loop gives the first (the mask, the rotary tables): true of
+    decoders whose layers all share one attention type."""
     layers = decoder_layers(model)
     if offload_layers < -1 or offload_layers > len(layers):
         raise ValueError(f"offload_layers: expected -1 (all) or 0..{len(layers)}, got {offload_layers}")
-    policy = CheckpointPolicy(num_layers=len(layers), offload_layers=offload_layers)
-    for index, layer in enumerate(layers):
-        forward = layer.forward
+    if isinstance(every, bool) or not isinstance(every, int) or not 1 <= every <= len(layers):
+        raise ValueError(f"every: expected layers per checkpoint in 1..{len(layers)}, got {every!r}")
+    kinds = {getattr(layer, "attention_type", None) for layer in layers}
+    if every > 1 and len(kinds) > 1:
+        raise ValueError(f"every: expected 1 for a decoder whose layers differ in attention type ({sorted(map(str, kinds))}), "
+                         f"got {every}: a segment's layers would all get the first layer's mask")
+    policy = CheckpointPolicy(num_layers=len(layers), offload_layers=offload_layers, every=every)
+    # A second call re-plans the same model (another length): it wraps the layers' own forwards again.
+    forwards = [layer.__dict__.setdefault("_fm_unwrapped_forward", layer.forward) for layer in layers]
 
-        def checkpointed(*args, _forward=forward, _index=index, **kwargs):
+    def each_layer(index: int):
+        def checkpointed(*args, _forward=forwards[index], **kwargs):
             if not torch.is_grad_enabled():
                 return _forward(*args, **kwargs)
-            if policy.offloads(_index):
+            if every == 1 and policy.offloads(index):
                 with HostOffload(policy):
                     return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
             return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
-        layer.forward = checkpointed
+        return checkpointed
+
+    if every == 1:
+        for index, layer in enumerate(layers):
+            layer.forward = each_layer(index)
+        return policy
+    for start in range(0, len(layers), every):
+        group = [each_layer(i) for i in range(start, min(start + every, len(layers)))]
+        plain = forwards[start:start + every]
+
+        def run(hidden_states, *args, _group=group, **kwargs):
+            for forward in _group:
+                hidden_states = forward(hidden_states, *args, **kwargs)
+            return hidden_states
+
+        def segment(hidden_states, *args, _run=run, _plain=plain, _start=start, **kwargs):
+            if not torch.is_grad_enabled():
+                for forward in _plain:
+                    hidden_states = forward(hidden_states, *args, **kwargs)
+                return hidden_states
+            if policy.offloads(_start):
+                with HostOffload(policy):
+                    return checkpoint(_run, hidden_states, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_run, hidden_states, *args, use_reentrant=False, **kwargs)
+
+        layers[start].forward = segment
+        for layer in layers[start + 1:start + every]:
+            layer.forward = _pass_through
     return policy
+
+
+def _pass_through(hidden_states, *args, **kwargs):
+    """A layer inside a checkpoint segment: its segment's first layer has already run it."""
+    return hidden_states
+
+
+GIB = 2**30
+
+
+class MemoryPlanError(ValueError):
+    """No plan fits: the message names what the length needs and what the machine has."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where one step's checkpoints live at length ``n``: ``every`` layers per checkpoint, the first
+    ``offload_layers`` layers' checkpoints (-1: all) on the host; the predicted peaks in bytes."""
+
+    n: int
+    every: int
+    offload_layers: int
+    device_bytes: int
+    host_bytes: int
+
+    def __str__(self) -> str:
+        return (f"{self.n} tokens: a checkpoint every {self.every} layer(s), {self.offload_layers} layer(s) offloaded "
+                f"(-1: all); predicted {self.device_bytes / GIB:.1f} GiB on the device, {self.host_bytes / GIB:.1f} GiB host")
+
+
+def plan_memory(n: int, *, layers: int, hidden: int, itemsize: int, fixed_bytes: float, bytes_per_token: float,
+                device_budget: float, host_budget: float, every: int | None = None,
+                offload_layers: int | None = None) -> MemoryPlan:
+    """The plan for a step of ``n`` tokens that does the least extra work, from the model's shape and
+    a measured budget (no trial and error): ``fixed_bytes`` (weights, optimizer, the step's constants)
+    and ``bytes_per_token`` (everything else that grows with n but the checkpoints: one layer's
+    working set, its recompute, the tiled MLP and loss chunks), measured by two short steps with every
+    checkpoint on the host (``fixed + per_token * n`` fitted through both peaks).
+
+    A checkpoint is ``n * hidden * itemsize`` bytes. With ``C = ceil(layers / every)`` checkpoints of
+    which ``c`` are offloaded, the device holds ``fixed + per_token * n + (C - c)`` checkpoints, plus,
+    for ``every > 1``, the ``every`` layer inputs of the segment being recomputed; the host holds ``c``.
+    Candidates go from the least recompute (``every`` 1, then 2, ...) and, for each, the fewest
+    offloaded checkpoints (host copies cost time). ``every`` / ``offload_layers`` given: fixed.
+    Raises :class:`MemoryPlanError` naming the smallest device and host memory any plan needs."""
+    if n < 1:
+        raise ValueError(f"n: expected a length >= 1, got {n}")
+    ckpt = n * hidden * itemsize
+    best: tuple[float, float, float] | None = None  # (overflow, device, host) of the closest miss
+    for k in ([every] if every is not None else range(1, layers + 1)):
+        count = math.ceil(layers / k)
+        choices = range(count + 1)
+        if offload_layers is not None:
+            choices = [count if offload_layers < 0 else math.ceil(min(offload_layers, layers) / k)]
+        for off in choices:
+            device = fixed_bytes + bytes_per_token * n + (count - off) * ckpt + (k * ckpt if k > 1 else 0)
+            host = off * ckpt
+            if device <= device_budget and host <= host_budget:
+                return MemoryPlan(n, k, -1 if off == count else min(off * k, layers), int(device), int(host))
+            miss = max(device - device_budget, 0) + max(host - host_budget, 0)
+            if best is None or miss < best[0]:
+                best = (miss, device, host)
+    _, device, host = best
+    raise MemoryPlanError(
+        f"n: {n} tokens do not fit: the closest plan needs {device / GIB:.1f} GiB on the device and {host / GIB:.1f} GiB "
+        f"of host memory, this machine gives {device_budget / GIB:.1f} GiB and {host_budget / GIB:.1f} GiB "
+        f"({layers} layers, a checkpoint of {ckpt / GIB:.2f} GiB each, {bytes_per_token / 2**10:.0f} KiB per token "
+        f"beyond them, {fixed_bytes / GIB:.1f} GiB fixed)")

@@ -113,7 +113,10 @@ def build_model(cfg: Config, vocab_size: int, device, save_base=None):
         tile_decoder_layers(base, cfg.model.tile_chunk)  # before checkpointing: the checkpoint wraps the tiled layer
     policy = None
     if cfg.model.activation_checkpointing:  # offload_layers is checked against the model's layer count there
-        policy = checkpoint_layers(base, cfg.model.offload_layers)
+        try:
+            policy = checkpoint_layers(base, cfg.model.offload_layers, cfg.model.checkpoint_every)
+        except ValueError as e:  # against the built model's layers (a model.path model's are known only now)
+            raise ConfigError(f"model.{e}" if str(e).startswith("offload_layers") else f"model.checkpoint_{e}") from None
     elif cfg.model.offload_layers:
         raise ConfigError(f"model.offload_layers: expected 0 without activation checkpointing, got {cfg.model.offload_layers}")
     lora = LoraConfig(r=cfg.model.lora_rank, lora_alpha=cfg.model.lora_alpha,

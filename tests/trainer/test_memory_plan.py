@@ -1,0 +1,117 @@
+"""Checkpoints kept every k layers (the layers between recomputed from them) and the memory plan
+(issue 33): the step is exact (losses and LoRA gradients equal to a checkpoint per layer), it keeps
+``ceil(L / k)`` layer inputs instead of L, and the plan for a stated device and host budget picks the
+least recompute that fits or refuses naming what the length needs."""
+
+import math
+
+import pytest
+import torch
+
+from fm_parallel import masks
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+GIB = 2**30
+
+
+def _model(layers: int, every: int | None, offload: int = 0, dtype: str = "float64"):
+    from fm_parallel.trainer.config import load_config
+    from fm_parallel.trainer.model import build_model
+
+    argv = ["--model.hidden_size", "32", "--model.layers", str(layers), "--model.heads", "4", "--model.kv_heads", "2",
+            "--model.intermediate_size", "64", "--model.dtype", dtype, "--parallel.cp", "none", "--model.lora_rank", "4"]
+    if every is None:
+        argv += ["--model.activation_checkpointing", "false"]
+    else:
+        argv += ["--model.checkpoint_every", str(every), "--model.offload_layers", str(offload)]
+    model = build_model(load_config(argv, environ={}), 258, torch.device("cpu"))
+    for name, p in model.named_parameters():  # LoRA B starts at zero: make the adapter matter
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(hash(name) % 2**31))
+    return model
+
+
+def _step(model, n: int = 300):
+    from fm_parallel.trainer.model import hidden
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 258, (1, n), generator=g)
+    mask = masks.document([100, 120, 80])
+    h = hidden(model, ids, torch.arange(n).view(1, n), mask, None, "auto")
+    logits = model.get_base_model().lm_head(h).double()
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+    return loss.item(), grads
+
+
+@pytest.mark.parametrize("every, offload", [(2, 0), (3, 0), (2, -1), (5, 3)])
+def test_a_checkpoint_every_k_layers_gives_the_per_layer_loss_and_gradients(every, offload):
+    layers = 5
+    want_loss, want = _step(_model(layers, None))
+    got_loss, got = _step(_model(layers, every, offload))
+    assert got_loss == pytest.approx(want_loss, rel=1e-12)
+    assert set(got) == set(want) and len(got) > 0
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_only_every_kth_layer_input_is_kept(every):
+    """All checkpoints offloaded: the host holds exactly ceil(L / k) inputs [1, n, hidden] (fp64)."""
+    layers, n = 5, 300
+    model = _model(layers, every, offload=-1)
+    model.checkpoint_policy.reset()
+    _step(model, n)
+    assert model.checkpoint_policy.host_bytes == math.ceil(layers / every) * n * 32 * 8
+
+
+def test_generation_and_no_grad_forwards_run_every_layer_once():
+    """Outside autograd a segment runs its layers plainly: the same logits as the model without checkpoints."""
+    from fm_parallel.trainer.model import hidden
+
+    ids, n = torch.randint(0, 258, (1, 64), generator=torch.Generator().manual_seed(1)), 64
+    with torch.no_grad():
+        want = hidden(_model(4, None), ids, torch.arange(n).view(1, n), masks.causal(n), None, "auto")
+        got = hidden(_model(4, 3), ids, torch.arange(n).view(1, n), masks.causal(n), None, "auto")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_checkpoint_every_is_validated(tmp_path):
+    from fm_parallel.trainer.config import load_config
+    from fm_parallel.trainer.loop import train
+
+    with pytest.raises(ValueError, match=r"model.checkpoint_every: expected 1..2 \(model.layers\), got 3"):
+        train(load_config(["--model.layers", "2", "--model.checkpoint_every", "3", "--parallel.cp", "none",
+                           "--output.dir", str(tmp_path)], environ={}))
+    with pytest.raises(ValueError, match="checkpoint_every: expected a value >= 1, got 0"):
+        load_config(["--model.checkpoint_every", "0"], environ={})
+
+
+# An 8B-shaped Llama in bf16 at 1M tokens: checkpoints of 8 GiB, a stated budget.
+SHAPE = dict(layers=32, hidden=4096, itemsize=2, fixed_bytes=20 * GIB, bytes_per_token=40 * 2**10)
+
+
+def test_the_plan_takes_the_least_recompute_that_fits():
+    from fm_parallel.trainer.memory import plan_memory
+
+    short = plan_memory(65536, **SHAPE, device_budget=130 * GIB, host_budget=100 * GIB)
+    assert (short.every, short.offload_layers, short.host_bytes) == (1, 0, 0)  # everything on the device
+    mid = plan_memory(524288, **SHAPE, device_budget=130 * GIB, host_budget=100 * GIB)
+    # 20 + 20 GiB, then 4 GiB checkpoints: 22 on the device, 10 on the host.
+    assert (mid.every, mid.offload_layers) == (1, 10) and mid.device_bytes <= 130 * GIB and mid.host_bytes == 40 * GIB
+    long = plan_memory(1 << 20, **SHAPE, device_budget=130 * GIB, host_budget=100 * GIB)
+    # Per layer: 32 x 8 GiB cannot fit in 130 + 100 GiB beside 60 GiB; one per 2 layers: 16, of which 10 on the host.
+    assert (long.every, long.offload_layers) == (2, 20)
+    assert long.device_bytes == (60 + 6 * 8 + 2 * 8) * GIB and long.host_bytes == 80 * GIB
+
+
+def test_a_length_no_plan_fits_is_refused_naming_what_it_needs():
+    from fm_parallel.trainer.memory import MemoryPlanError, plan_memory
+
+    with pytest.raises(MemoryPlanError, match=r"n: 4194304 tokens do not fit: the closest plan needs [\d.]+ GiB on the device "
+                                              r"and [\d.]+ GiB of host memory, this machine gives 130.0 GiB and 100.0 GiB"):
+        plan_memory(1 << 22, **SHAPE, device_budget=130 * GIB, host_budget=100 * GIB)
+    fixed = plan_memory(1 << 20, **SHAPE, device_budget=1000 * GIB, host_budget=0, every=4, offload_layers=0)
+    assert (fixed.every, fixed.offload_layers) == (4, 0)
