@@ -7,8 +7,9 @@ For each model shape (random weights, bf16 on GPU, LoRA rank 16 on the attention
 each attention implementation, the length doubles from --start while a step fits, then bisects
 between the last length that fit and the first that did not (to --granularity tokens). A step is one
 forward + backward + AdamW step on one row of packed documents (mean length 2048) with the trainer's
-memory switches: per-layer activation checkpointing (inputs offloaded to the host with --offload),
-sequence-tiled per-token work, chunked loss. Every length tried is reported with peak memory, step time and tokens/s.
+memory switches: activation checkpoints (one per --checkpoint-every layers, those of the first
+--offload layers in host memory; both planned from two calibration steps by default, a length no
+plan fits refused before its step), sequence-tiled per-token work, chunked loss. Every length tried is reported with peak memory, step time and tokens/s.
 
 Writes docs/benchmarks/max_context.json and max_context.md (and a plot).
 """
@@ -85,35 +86,36 @@ def _model(shape: str, impl: str, device, args):
     return build_model(_config(shape, impl, args), SHAPES[shape]["vocab"], device)
 
 
-class OffloadPlanner:
-    """How many layers' checkpoints go to the host for a length ``n``: just enough for the step to fit.
+class Planner:
+    """The memory plan of each length, from the model's shape and a measured budget, not from trial and
+    error (``fm_parallel.trainer.memory.plan_memory``). ``calibrate`` runs two short steps with every
+    checkpoint on the host and fits ``fixed + per_token * n`` through their peaks over the static
+    memory (all that grows with n but the checkpoints; the loss chunks and the mask tables land in
+    ``fixed``). ``every`` / ``offload``: None to plan, else fixed. Without a GPU nothing is planned
+    (no device budget): the fixed values, or a checkpoint per layer and none offloaded."""
 
-    From the last step that fit (length n0, k0 layers offloaded, peak p0 over the static memory s) the
-    memory that is not a device-held checkpoint is ``(p0 - s) - (L - k0) * n0 * h * b``, taken as linear
-    in n (the attention, the mask and the loss chunks are O(N); constants only make this conservative).
-    ``k`` is the fewest layers that bring the predicted peak under the device budget, capped by the
-    host budget."""
+    def __init__(self, layers: int, hidden: int, itemsize: int, device_budget: float, host_budget: float,
+                 every: int | None, offload: int | None):
+        self.layers, self.hidden, self.itemsize = layers, hidden, itemsize
+        self.device_budget, self.host_budget, self.every, self.offload = device_budget, host_budget, every, offload
+        self.fixed_bytes = self.per_token = None
 
-    def __init__(self, layers: int, hidden: int, itemsize: int, device_budget: float, host_budget: float, fixed: int | None):
-        self.layers, self.row_bytes, self.fixed = layers, hidden * itemsize, fixed
-        self.device_budget, self.host_budget = device_budget, host_budget
-        self.last: tuple[int, int, float] | None = None  # (n, k, peak - static) of the last step that fit
+    def calibrate(self, measured: list[tuple[int, float]]) -> dict:
+        (n1, u1), (n2, u2) = sorted(measured)
+        self.per_token = max((u2 - u1) / (n2 - n1), 0.0)
+        self.fixed_bytes = max(u1 - self.per_token * n1, 0.0)
+        return {"calibration": [{"n": n, "used_gib": u / 2**30} for n, u in measured],
+                "bytes_per_token": self.per_token, "fixed_gib": self.fixed_bytes / 2**30}
 
-    def layers_for(self, n: int, static: float) -> int:
-        if self.fixed is not None:
-            return self.fixed if self.fixed >= 0 else self.layers
-        if self.last is None:
-            return 0
-        n0, k0, used0 = self.last
-        other_per_token = max(used0 - (self.layers - k0) * n0 * self.row_bytes, 0.0) / n0
-        room = self.device_budget - static - other_per_token * n
-        on_device = max(int(room // (n * self.row_bytes)), 0)
-        k = min(max(self.layers - on_device, 0), self.layers)
-        return min(k, int(self.host_budget // (n * self.row_bytes)))
+    def plan(self, n: int, static: float):
+        from fm_parallel.trainer.memory import MemoryPlan, plan_memory
 
-    def fitted(self, n: int, k: int, used: float) -> None:
-        if self.last is None or n >= self.last[0]:
-            self.last = (n, k, used)
+        if self.per_token is None:
+            return MemoryPlan(n, self.every or 1, self.offload or 0, 0, 0)
+        return plan_memory(n, layers=self.layers, hidden=self.hidden, itemsize=self.itemsize,
+                           fixed_bytes=static + self.fixed_bytes, bytes_per_token=self.per_token,
+                           device_budget=self.device_budget, host_budget=self.host_budget,
+                           every=self.every, offload_layers=self.offload)
 
 
 def _step(model, impl: str, n: int, device, args) -> float:
@@ -168,28 +170,27 @@ class _TimeUp(Exception):
 def run(shape: str, impl: str, device, args) -> dict:
     import gc
 
+    from fm_parallel.trainer.memory import MemoryPlanError, checkpoint_layers
+
     rows: list[dict] = []
     model = _model(shape, impl, device, args)
-    policy = model.checkpoint_policy
     s = SHAPES[shape]
     cuda = device.type == "cuda"
     total = torch.cuda.get_device_properties(device).total_memory if cuda else 0
-    planner = OffloadPlanner(s["layers"], s["hidden_size"], 2 if cuda else 4, args.device_fraction * total,
-                             args.host_gib * 2**30, None if args.offload == "auto" else int(args.offload))
+    planner = Planner(s["layers"], s["hidden_size"], 2 if cuda else 4, args.device_fraction * total, args.host_gib * 2**30,
+                      None if args.checkpoint_every == "auto" else int(args.checkpoint_every),
+                      None if args.offload == "auto" else int(args.offload))
     began = time.perf_counter()
 
-    def fits(n: int) -> bool:
-        if time.perf_counter() - began > args.time_limit:
-            raise _TimeUp
+    def attempt(n: int, every: int, offload: int) -> dict:
         static = 0.0
         if cuda:
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             static = torch.cuda.memory_allocated()
-        policy.offload_layers = planner.layers_for(n, static)
-        policy.reset()
-        row = {"model": shape, "impl": impl, "n": n, "offload_layers": policy.offload_layers}
+        policy = checkpoint_layers(model.get_base_model(), offload, every)
+        row = {"model": shape, "impl": impl, "n": n, "checkpoint_every": every, "offload_layers": offload}
         try:
             seconds = _step(model, impl, n, device, args)
             row.update(fits=True, step_s=seconds, tokens_per_s=n / seconds)
@@ -201,25 +202,56 @@ def run(shape: str, impl: str, device, args) -> dict:
         if cuda:
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             row["static_gib"] = static / 2**30
-            if row["fits"]:
-                planner.fitted(n, policy.offload_layers, torch.cuda.max_memory_allocated() - static)
+            row["used"] = torch.cuda.max_memory_allocated() - static
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            _empty_host_cache()
+        return row
+
+    calibration = None
+    if cuda and (planner.every is None or planner.offload is None):
+        measured = []
+        for n in args.calibrate:
+            row = attempt(n, 1, -1)
+            if not row["fits"]:
+                raise SystemExit(f"error: --calibrate: the {n}-token step with every checkpoint on the host did not fit "
+                                 f"({row.get('error', 'out of memory')}); give shorter calibration lengths")
+            measured.append((n, row["used"]))
+        calibration = planner.calibrate(measured)
+        print(json.dumps({"model": shape, "impl": impl, **calibration}), flush=True)
+
+    def fits(n: int) -> bool:
+        if time.perf_counter() - began > args.time_limit:
+            raise _TimeUp
+        static = torch.cuda.memory_allocated() if cuda else 0.0
+        try:
+            plan = planner.plan(n, static)
+        except MemoryPlanError as e:  # refused before the step: nothing is allocated for it
+            row = {"model": shape, "impl": impl, "n": n, "fits": False, "refused": str(e)}
+        else:
+            row = attempt(n, plan.every, plan.offload_layers)
+            if plan.device_bytes:
+                row.update(planned_device_gib=plan.device_bytes / 2**30, planned_host_gib=plan.host_bytes / 2**30)
+        row.pop("used", None)
         rows.append(row)
         print(json.dumps(row), flush=True)
         with open(args.out / "max_context.jsonl", "a") as f:  # survives a killed run
             f.write(json.dumps(row) + "\n")
-        model.zero_grad(set_to_none=True)
-        if cuda:
-            _empty_host_cache()
         return row["fits"]
 
     stopped = None
     try:
-        longest, _ = search_longest(fits, args.start, args.max, args.granularity)
+        if args.lengths:
+            for n in args.lengths:
+                fits(n)
+            longest = max([r["n"] for r in rows if r["fits"]], default=0)
+        else:
+            longest, _ = search_longest(fits, args.start, args.max, args.granularity)
     except _TimeUp:
         stopped = f"time limit {args.time_limit:.0f} s"
         longest = max([r["n"] for r in rows if r["fits"]], default=0)
     del model
-    return {"model": shape, "impl": impl, "longest": longest, "stopped": stopped, "tried": rows}
+    return {"model": shape, "impl": impl, "longest": longest, "stopped": stopped, "calibration": calibration, "tried": rows}
 
 
 def _plot(results: list[dict], path: Path) -> None:
@@ -249,18 +281,18 @@ def _plot(results: list[dict], path: Path) -> None:
 
 def _report(results: list[dict], out: Path, cmd: str) -> None:
     (out / "max_context.json").write_text(json.dumps({"command": cmd, "results": results}, indent=1))
-    lines = ["| model | attention | longest step that fits | peak GiB there | host GiB there | layers offloaded | step s (one step) | tokens/s (one step) | lengths tried (x: did not fit) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | attention | longest step that fits | peak GiB there | host GiB there | layers offloaded | checkpoint every | step s (one step) | tokens/s (one step) | lengths tried (x: did not fit, r: refused by the plan) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         at = [t for t in r["tried"] if t["n"] == r["longest"] and t["fits"]]
         t = at[0] if at else {}
         peak = f"{t['peak_gib']:.1f}" if "peak_gib" in t else "-"
         host = f"{t['host_gib']:.1f}" if t else "-"
-        tried = ", ".join(f"{x['n'] // 1024}k{'' if x['fits'] else ' x'}" for x in r["tried"])
+        tried = ", ".join(f"{x['n'] // 1024}k{'' if x['fits'] else ' r' if 'refused' in x else ' x'}" for x in r["tried"])
         longest = f"{r['longest']}" + (f" (search stopped: {r['stopped']})" if r.get("stopped") else "")
         lines.append(f"| {r['model']} | {r['impl']} | {longest} | {peak} | {host} | {t.get('offload_layers', '-')} | "
-                     f"{t['step_s']:.1f} | {t['tokens_per_s']:.0f} | {tried} |" if t else
-                     f"| {r['model']} | {r['impl']} | {longest} | - | - | - | - | - | {tried} |")
+                     f"{t.get('checkpoint_every', 1)} | {t['step_s']:.1f} | {t['tokens_per_s']:.0f} | {tried} |" if t else
+                     f"| {r['model']} | {r['impl']} | {longest} | - | - | - | - | - | - | {tried} |")
     _plot(results, out / "max_context.png")
     md = "\n".join(lines)
     (out / "max_context.md").write_text(f"# Longest LoRA step\n\n`{cmd}`\n\n{md}\n")
@@ -293,14 +325,24 @@ def main() -> None:
     parser.add_argument("--loss-chunk", type=int, default=8192)
     parser.add_argument("--tile-chunk", type=int, default=16384, help="tokens per chunk of each layer's per-token work (0: off)")
     parser.add_argument("--offload", default="auto",
-                        help="layers whose checkpoint lives on the host: auto (just enough to fit), -1 (all) or a count")
-    parser.add_argument("--device-fraction", type=float, default=0.94, help="device memory the offload planner aims under")
+                        help="layers whose checkpoint lives on the host: auto (planned: just enough to fit), -1 (all) or a count")
+    parser.add_argument("--checkpoint-every", default="auto",
+                        help="layers per checkpoint: auto (planned: the least recompute that fits) or a count")
+    parser.add_argument("--calibrate", nargs=2, type=int, default=[16384, 32768], metavar=("N1", "N2"),
+                        help="the two lengths whose steps (every checkpoint on the host) measure the memory budget")
+    parser.add_argument("--lengths", nargs="+", type=int, default=None,
+                        help="try exactly these lengths, each planned directly (no doubling search)")
+    parser.add_argument("--device-fraction", type=float, default=0.94, help="device memory the memory plan aims under")
     parser.add_argument("--host-gib", type=float, default=96.0, help="host memory the offloaded checkpoints may take")
     parser.add_argument("--time-limit", type=float, default=1e9, help="seconds per (model, attention) search; stops early")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     parser.add_argument("--merge", nargs="+", type=Path, default=None,
                         help="no run: combine the max_context.jsonl rows of earlier runs into one table and plot")
     args = parser.parse_args()
+    for name in ("offload", "checkpoint_every"):
+        value = getattr(args, name)
+        if value != "auto" and not value.lstrip("-").isdigit():
+            parser.error(f"--{name.replace('_', '-')}: expected auto or an integer, got {value!r}")
     cmd = "python launch/bench/max_context.py " + " ".join(sys.argv[1:])
     if args.merge:
         merge(args.merge, args.out, cmd)
