@@ -278,10 +278,17 @@ class ContextParallelMixin:
 
     # ------------------------------------------------------------------ data
     def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False, dataloader_key=None):
-        """The Trainer's training loader, sharded over the data-parallel groups: every rank of a CP
-        group gets the same batches (accelerate's ``prepare`` would give each rank its own)."""
-        if not is_training or self.cp.degree == 1:
+        """The Trainer's loaders (training and evaluation), sharded over the data-parallel groups:
+        every rank of a CP group gets the same batches (accelerate's ``prepare`` would give each rank
+        its own)."""
+        if self.cp.degree == 1:
             return super()._get_dataloader(dataset, description, batch_size, sampler_fn, is_training, dataloader_key)
+        lay = self.cp_layout
+        if not is_training and lay.dp > 1 and hasattr(dataset, "__len__") and len(dataset) % (lay.dp * batch_size):
+            # accelerate evens the groups' last batches by repeating samples and drops them by a sample
+            # count, while a packed batch yields one loss per row: the repeats would be counted.
+            raise ValueError(f"eval_dataset: expected a length divisible by data-parallel groups x per_device_eval_batch_size "
+                             f"= {lay.dp} x {batch_size} = {lay.dp * batch_size} under cp=, got {len(dataset)}")
         from accelerate.data_loader import prepare_data_loader
         from torch.utils.data import DataLoader
 
@@ -299,7 +306,6 @@ class ContextParallelMixin:
         finally:
             acc.prepare = real
         loader: DataLoader = captured["loader"]
-        lay = self.cp_layout
         return prepare_data_loader(loader, acc.device, num_processes=lay.dp, process_index=lay.dp_rank,
                                    split_batches=acc.split_batches, put_on_device=acc.device_placement,
                                    rng_types=acc.rng_types.copy(), dispatch_batches=False, even_batches=acc.even_batches,

@@ -76,7 +76,8 @@ def train(kind: str, cp=None, batch: int = 3, dataset=None, output_dir=None, res
     grads = {}
     extra.setdefault("save_strategy", "no")
     args = TrainingArguments(output_dir=output_dir or tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=STEPS,
-                             learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True, seed=0, disable_tqdm=True, **extra)
+                             learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                             per_device_eval_batch_size=3, **extra)
     common = dict(model=model, args=args, callbacks=[_grads_at_first_step(grads)])
     if kind == "sft":
         cls = Trainer if cp is None else context_parallel(Trainer)
@@ -84,10 +85,15 @@ def train(kind: str, cp=None, batch: int = 3, dataset=None, output_dir=None, res
     else:
         cls = FlashMaskDPOTrainer if cp is None else context_parallel(FlashMaskDPOTrainer)
         common.update(train_dataset=dataset or _pairs(), beta=0.1)
+    if kind == "sft":
+        common["eval_dataset"] = _documents(12, seed=1)
     trainer = cls(**common) if cp is None else cls(**common, cp=cp)
     trainer.train(resume_from_checkpoint=resume)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"losses": losses, "grads": {n: g.tolist() for n, g in grads.items()}, "seen": seen}
+    result = {"losses": losses, "grads": {n: g.tolist() for n, g in grads.items()}, "seen": seen}
+    if kind == "sft" and resume is None and "save_steps" not in extra:
+        result["eval_loss"] = trainer.evaluate()["eval_loss"]  # after training: 4 eval batches of 3 documents
+    return result
 
 
 def _case(fn):
@@ -171,6 +177,8 @@ def four():
 def _close(got: dict, want: dict) -> None:
     assert "exception" not in got, got
     assert len(got["losses"]) == STEPS and got["losses"] == pytest.approx(want["losses"], rel=TOL, abs=TOL), (got["losses"], want["losses"])
+    if "eval_loss" in want:  # Trainer.evaluate() under CP: the same batches, the loss of the whole rows
+        assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=TOL, abs=TOL), (got["eval_loss"], want["eval_loss"])
     assert set(got["grads"]) == set(want["grads"]) and want["grads"]
     for name, g in want["grads"].items():
         g, h = torch.tensor(g), torch.tensor(got["grads"][name])
