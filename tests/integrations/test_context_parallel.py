@@ -115,39 +115,41 @@ def ranks(rank, world, cases, base=None):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
     out = {}
     for name, kind, mode, degree, batch in cases:
+        balance = next((b for b in ("zigzag", "mask") if name.endswith("-" + b)), "contiguous")
+        cfg = ContextParallelConfig(degree=degree, mode=mode, balance=balance)
         if name.startswith("leak"):
             # The leak guard: the row's mask replaced by one causal mask over the whole row (what
             # accelerate's CP and a batch ring do): documents / responses then see each other.
             real = cpmod.row_mask
             cpmod.row_mask = lambda inputs, causal=True: builders.causal(inputs["input_ids"].shape[1])
             try:
-                out[name] = _case(lambda: train(kind, ContextParallelConfig(degree=degree, mode=mode), batch))
+                out[name] = _case(lambda: train(kind, cfg, batch))
             finally:
                 cpmod.row_mask = real
         elif name.startswith("resume"):
             # 3 steps saving at step 2, then a new trainer resumed from checkpoint-2 (HF's save / resume:
             # rank 0 writes the model, optimizer, scheduler; every rank its RNG state).
-            cfg, where = ContextParallelConfig(degree=degree, mode=mode), os.path.join(base, name)
+            where = os.path.join(base, name)
             full = _case(lambda: train(kind, cfg, batch, output_dir=where, save_strategy="steps", save_steps=2))
             again = _case(lambda: train(kind, cfg, batch, output_dir=where, resume=os.path.join(where, "checkpoint-2"),
                                         save_strategy="steps", save_steps=2))
             out[name] = {"full": full, "resumed": again}
         elif name.startswith("ga2"):
-            out[name] = _case(lambda: train(kind, ContextParallelConfig(degree=degree, mode=mode), batch,
+            out[name] = _case(lambda: train(kind, cfg, batch,
                                             gradient_accumulation_steps=2))
         elif name.startswith("bf16"):
-            out[name] = _case(lambda: train(kind, ContextParallelConfig(degree=degree, mode=mode), batch, bf16=True))
+            out[name] = _case(lambda: train(kind, cfg, batch, bf16=True))
         elif name.startswith("differs"):
             # Rank 1's dataset in another order: its batches differ from its group's.
             data = (_documents() if kind == "sft" else _pairs())
             data = data[::-1] if rank == 1 else data
-            out[name] = _case(lambda: train(kind, ContextParallelConfig(degree=degree, mode=mode), batch, dataset=data))
+            out[name] = _case(lambda: train(kind, cfg, batch, dataset=data))
         else:
-            out[name] = _case(lambda: train(kind, ContextParallelConfig(degree=degree, mode=mode), batch))
+            out[name] = _case(lambda: train(kind, cfg, batch))
     return out
 
 
-CASES_2 = [("sft-ring", "sft", "ring", 2, 3), ("sft-ulysses", "sft", "ulysses", 2, 3), ("dpo-ring", "dpo", "ring", 2, 2),
+CASES_2 = [("sft-ring", "sft", "ring", 2, 3), ("sft-ulysses-mask", "sft", "ulysses", 2, 3), ("dpo-ring-zigzag", "dpo", "ring", 2, 2),
            ("dpo-ulysses", "dpo", "ulysses", 2, 2), ("leak-sft-ring", "sft", "ring", 2, 3), ("leak-dpo-ulysses", "dpo", "ulysses", 2, 2),
            ("differs-sft-ring", "sft", "ring", 2, 3), ("ga2-sft-ring", "sft", "ring", 2, 3), ("bf16-sft-ulysses", "sft", "ulysses", 2, 3),
            ("resume-sft-ring", "sft", "ring", 2, 3)]
