@@ -320,9 +320,8 @@ class ContextParallelMixin:
         count = sum(int((shifted(b) != -100).sum()) for b in batch_samples)
         total = torch.tensor(count, dtype=torch.int64, device=device)
         if self.cp_layout.world > 1:
-            total = total.cpu()
-            dist.all_reduce(total)  # the world's sum: each group's count appears degree times
-            total = (total // self.cp.degree).to(device)
+            dist.all_reduce(total)  # on the Trainer's device (NCCL: the GPU); the world's sum counts each group degree times
+            total = total // self.cp.degree
         return total
 
     # ------------------------------------------------------------------ one row
