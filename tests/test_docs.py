@@ -171,6 +171,8 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
     # ---------------------------------------------------------------- docs/long-context.md
     ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --start 262144 --max 1048576 "
                              "--granularity 262144 --host-gib 96 --time-limit 300"): Skip(GPU, "8B model at 256k-1M tokens, H200"),
+    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --lengths 1048576 524288 262144 "
+                             "--host-gib 110"): Skip(GPU, "8B model planned and run at 1M, 512k and 256k tokens, H200"),
     ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_512k.toml"):
         Skip(GPU, "8B model at 512k tokens, H200"),
     # ---------------------------------------------------------------- docs/masks.md
