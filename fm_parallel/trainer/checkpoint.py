@@ -67,7 +67,7 @@ def load(path: Path, model, optim, stop) -> tuple[int, int, int]:
     state = {"model": model_sd, "optim": optim_sd, "progress": progress}
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a damaged shard of an unverified (older) checkpoint
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - verified bytes dcp cannot read (a damaged write re-signed)
         raise runs.load_failure(path, e, "--resume") from None
     # Only the adapter was saved: the frozen base weights come from the model build, not the checkpoint.
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"],
