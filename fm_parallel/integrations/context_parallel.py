@@ -412,11 +412,9 @@ class _ContextParallelDPO(ContextParallelMixin):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         from fm_parallel import logprobs
-        from fm_parallel.integrations.dpo import dpo_loss
+        from fm_parallel.integrations.dpo import check_preference_rows
 
-        if not isinstance(inputs, dict) or "fm_segment" not in inputs:
-            got = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
-            raise ValueError(f"inputs: expected FlashMaskCollator preference rows (fm_segment, fm_sample), got keys {got}")
+        check_preference_rows(inputs)
         row = self._cp_row(inputs)
         b = inputs["input_ids"].shape[0]
         row_samples = (inputs["fm_sample"].max(dim=1).values + 1).tolist()
@@ -428,22 +426,7 @@ class _ContextParallelDPO(ContextParallelMixin):
             sums = self.cp_layout.cp_sum(sums).view(b, row.samples, 2)
             return torch.cat([sums[r, :s] for r, s in enumerate(row_samples)])
 
-        outputs = model(**row.model_inputs, use_cache=False)
-        policy = logps(outputs.logits)
-        with torch.no_grad():
-            if self.ref_model is not None:
-                ref_logits = self.ref_model(**row.model_inputs, use_cache=False).logits
-            else:
-                unwrapped = self.accelerator.unwrap_model(model)
-                with unwrapped.disable_adapter():
-                    ref_logits = unwrapped(**row.model_inputs, use_cache=False).logits
-            reference = logps(ref_logits)
-        losses, metrics = dpo_loss(policy, reference, self.beta)
-        loss = losses.mean()
-        mode = "train" if model.training else "eval"
-        for key, value in metrics.items():
-            self._metrics[mode][key].append(self.accelerator.gather_for_metrics(value).float().mean().item())
-        return (loss, outputs) if return_outputs else loss
+        return self.dpo_step(model, row.model_inputs, logps, return_outputs)
 
 
 @functools.lru_cache(maxsize=None)

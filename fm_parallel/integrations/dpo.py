@@ -60,6 +60,14 @@ def _check_attention(model, name: str) -> None:
                          f"register() (the only attention that reads the preference mask), got attn_implementation {impl!r}")
 
 
+def check_preference_rows(inputs) -> None:
+    """Refuse a batch that is not FlashMaskCollator preference rows, naming the keys it has."""
+    if not isinstance(inputs, dict) or "fm_segment" not in inputs:
+        got = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
+        raise ValueError(f"inputs: expected FlashMaskCollator preference rows (fm_segment, fm_sample) from examples "
+                         f"{{prompt_ids, chosen_ids, rejected_ids}}, got keys {got}")
+
+
 class FlashMaskDPOTrainer(Trainer):
     """A ``transformers.Trainer`` whose loss is shared-prompt DPO.
 
@@ -114,13 +122,16 @@ class FlashMaskDPOTrainer(Trainer):
             self._signature_columns = ["prompt_ids", "chosen_ids", "rejected_ids", "response_ids"]
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if not isinstance(inputs, dict) or "fm_segment" not in inputs:
-            got = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
-            raise ValueError(f"inputs: expected FlashMaskCollator preference rows (fm_segment, fm_sample) from examples "
-                             f"{{prompt_ids, chosen_ids, rejected_ids}}, got keys {got}")
+        check_preference_rows(inputs)
         model_inputs = {k: inputs[k] for k in _MODEL_KEYS}
+        return self.dpo_step(model, model_inputs, lambda logits: response_logps(logits, inputs, responses=2), return_outputs)
+
+    def dpo_step(self, model, model_inputs: dict, logps, return_outputs: bool = False):
+        """The DPO loss of one micro-batch: ``logps(logits)`` gives the ``[pairs, 2]`` response sums of
+        the policy's and then the reference's logits on ``model_inputs``; records TRL's metrics. The one
+        loss of this trainer and of its context-parallel form (which brings its own ``logps``)."""
         outputs = model(**model_inputs, use_cache=False)
-        policy = response_logps(outputs.logits, inputs, responses=2)
+        policy = logps(outputs.logits)
         with torch.no_grad():
             if self.ref_model is not None:
                 ref_logits = self.ref_model(**model_inputs, use_cache=False).logits
@@ -128,7 +139,7 @@ class FlashMaskDPOTrainer(Trainer):
                 unwrapped = self.accelerator.unwrap_model(model)
                 with unwrapped.disable_adapter():
                     ref_logits = unwrapped(**model_inputs, use_cache=False).logits
-            reference = response_logps(ref_logits, inputs, responses=2)
+            reference = logps(ref_logits)
         losses, metrics = dpo_loss(policy, reference, self.beta)
         loss = losses.mean()
         mode = "train" if model.training else "eval"
