@@ -115,3 +115,20 @@ def test_a_length_no_plan_fits_is_refused_naming_what_it_needs():
         plan_memory(1 << 22, **SHAPE, device_budget=130 * GIB, host_budget=100 * GIB)
     fixed = plan_memory(1 << 20, **SHAPE, device_budget=1000 * GIB, host_budget=0, every=4, offload_layers=0)
     assert (fixed.every, fixed.offload_layers) == (4, 0)
+
+
+def test_the_trainer_command_with_a_checkpoint_every_2_layers_trains_the_same_losses(tmp_path):
+    """Through the trainer's own entry (what launch/train.py runs): the key reaches the model build."""
+    from fm_parallel.trainer.config import load_config
+    from fm_parallel.trainer.loop import train
+
+    args = ["--model.hidden_size", "64", "--model.layers", "4", "--model.intermediate_size", "128", "--data.seq_len", "512",
+            "--training.steps", "2", "--parallel.cp", "none", "--output.checkpoint_every", "0"]
+    plain = train(load_config(args + ["--output.dir", str(tmp_path / "a")], environ={}))
+    every = train(load_config(args + ["--output.dir", str(tmp_path / "b"), "--model.checkpoint_every", "2",
+                                      "--model.offload_layers", "-1"], environ={}))
+    assert (every["first_loss"], every["final_loss"]) == (plain["first_loss"], plain["final_loss"])
+    import json
+
+    records = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["host_gib"] * GIB == 2 * 512 * 64 * 4  # ceil(4 / 2) layer inputs [1, 512, 64] fp32, not 4
