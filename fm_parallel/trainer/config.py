@@ -65,7 +65,17 @@ class ModelConfig:
                                     "recomputes the k layers between from it (one more forward, exact)", low=1)
     attention: str = _key("flashmask", "flashmask | sdpa (dense N x N mask) | flex (BlockMask); the baselines need cp none",
                           choices=("flashmask", "sdpa", "flex"))
-    tile_chunk: int = _key(0, "run each layer's per-token work over chunks of this many tokens (0: off)", low=0)
+    tile_chunk: int = _key(0, "run each layer's per-token work over chunks of this many tokens (0: off); a tiled "
+                              "layer is its own activation checkpoint (it keeps its input only)", low=0)
+    memory_plan: str = _key("fixed", "fixed: checkpoint_every and offload_layers as given | auto (GPU): both planned "
+                                     "from the model's shape and one layer's memory measured at start, a length that "
+                                     "cannot fit refused before the model is built", choices=("fixed", "auto"))
+    device_memory_gib: float = _key(0.0, "memory_plan auto: GPU memory the plan aims under (0: 94% of the GPU's)", low=0.0)
+    host_memory_gib: float = _key(0.0, "memory_plan auto: host memory the offloaded checkpoints may take (0: 75% of "
+                                       "the host's)", low=0.0)
+    attention_chunk: int = _key(65536, "with tile_chunk: FlashMask attention of a tiled layer over query chunks of at "
+                                       "most this many rows, cut between documents where possible (0: the whole "
+                                       "sequence in one call)", low=0)
 
 
 @dataclass

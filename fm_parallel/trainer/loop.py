@@ -21,9 +21,11 @@ import torch.distributed as dist
 
 from fm_parallel.distributed.comm import RankFailure
 from fm_parallel.trainer import checkpoint, metrics, parallel, runs
+from fm_parallel.trainer.capacity import plan_run
 from fm_parallel.trainer.config import Config, ConfigError, check_before_start, load_config
 from fm_parallel.trainer.data import DataError
 from fm_parallel.trainer.export import save_base_model
+from fm_parallel.trainer.flops import rows_flops
 from fm_parallel.trainer.model import build_model, build_tokenizer, preflight
 from fm_parallel.trainer.objectives import objective as make_objective
 from fm_parallel.trainer.optimizer import build_optimizer, set_learning_rate, update
@@ -58,6 +60,8 @@ def _train(cfg: Config, stopped) -> dict:
     say = lambda text: print(text, flush=True) if rank == 0 else None  # noqa: E731
     runs.check_run_dir(cfg)  # every rank, before anything is written
     lay = parallel.layout(cfg)
+    device = parallel.device()
+    plan_run(cfg, device, tokenizer.vocab_size, cp=lay.cp, say=say)  # auto: planned (or refused) before any build
     dist.barrier()  # no rank writes until every rank has checked the directory
     if rank == 0:
         if cfg.output.overwrite:
@@ -65,7 +69,6 @@ def _train(cfg: Config, stopped) -> dict:
         out_dir.mkdir(parents=True, exist_ok=True)
         if not cfg.output.resume:
             (out_dir / runs.RUN_FILE).write_text(json.dumps(cfg.to_dict(), indent=1))
-    device = parallel.device()
     fresh = rank == 0 and not cfg.output.resume
     model = build_model(cfg, tokenizer.vocab_size, device,
                         save_base=(lambda base: save_base_model(base, out_dir / "base_model")) if fresh else None)
@@ -97,7 +100,8 @@ def _train(cfg: Config, stopped) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         progress.update(log.append(metrics.step_record(step, local_loss.item(), len(rows) * cfg.data.seq_len,
-                                                       time.perf_counter() - t0, lr, device, policy, grad_norm)))
+                                                       time.perf_counter() - t0, lr, device, policy, grad_norm,
+                                                       rows_flops(cfg, model.get_base_model().config, rows))))
         if held.due(step):
             progress.write(log.append(held.evaluate(objective, model, lay, device, step)))
         last = step == cfg.training.steps - 1

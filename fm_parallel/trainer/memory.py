@@ -105,13 +105,17 @@ def checkpoint_layers(model, offload_layers: int = 0, every: int = 1) -> Checkpo
     forwards = [layer.__dict__.setdefault("_fm_unwrapped_forward", layer.forward) for layer in layers]
 
     def each_layer(index: int):
+        # A tiled layer (tiling.TiledLayer) is its own checkpoint: it saves its input alone. Wrapped in
+        # a second one, the backward would run its whole forward again only to re-save that input.
+        own = getattr(layers[index], "_fm_self_checkpointed", False)
+
         def checkpointed(*args, _forward=forwards[index], **kwargs):
             if not torch.is_grad_enabled():
                 return _forward(*args, **kwargs)
             if every == 1 and policy.offloads(index):
                 with HostOffload(policy):
-                    return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
-            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+                    return _forward(*args, **kwargs) if own else checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+            return _forward(*args, **kwargs) if own else checkpoint(_forward, *args, use_reentrant=False, **kwargs)
 
         return checkpointed
 

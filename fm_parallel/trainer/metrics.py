@@ -8,7 +8,7 @@ held-out evaluation, TensorBoard / W&B, and at the end the plot ``training.png``
     summary = finish(cfg, out_dir, rank, log)          # plot, summary; the loggers closed
 
 A training line holds ``step, loss, loss_ema, lr, grad_norm, memory_gib, tokens_per_s, step_s`` (and
-``peak_gib`` on GPU, ``host_gib`` with offloaded checkpoints); an evaluation line ``step, eval_loss,
+``peak_gib``, ``tflops`` per GPU and ``mfu`` on GPU, ``host_gib`` with offloaded checkpoints); an evaluation line ``step, eval_loss,
 eval_rows`` (DPO: ``eval_reward_accuracy, eval_reward_margin``, TRL's rewards/accuracies and margins).
 """
 
@@ -79,11 +79,20 @@ def step_started(device, policy) -> None:
 
 
 def step_record(step: int, loss: float, tokens: int, elapsed: float, lr: float, device, policy,
-                grad_norm: float | None = None) -> dict:
+                grad_norm: float | None = None, flops: float | None = None) -> dict:
     """One step's metrics (collective: the memory is the largest over the ranks, the one that decides
     whether a length fits; :func:`memory_gib`). ``policy``: the model's checkpoint policy (host bytes);
-    ``grad_norm``: the world's gradient norm before clipping (``clip_grad_norm_``'s return)."""
+    ``grad_norm``: the world's gradient norm before clipping (``clip_grad_norm_``'s return); ``flops``:
+    what the whole step computed (:func:`~fm_parallel.trainer.flops.rows_flops`): on a GPU the record
+    gets ``tflops`` per GPU and ``mfu``, their share of the GPU's dense bf16 peak."""
     record = {"step": step, "loss": loss, "lr": lr}
+    if flops and device.type == "cuda":
+        from fm_parallel.trainer.flops import peak_tflops
+
+        record["tflops"] = flops / elapsed / dist.get_world_size() / 1e12
+        peak = peak_tflops(torch.cuda.get_device_name(device))
+        if peak:
+            record["mfu"] = record["tflops"] / peak
     if grad_norm is not None:
         record["grad_norm"] = grad_norm
     memory = torch.tensor(memory_gib(device), device=device, dtype=torch.float64)
@@ -118,6 +127,8 @@ class Progress:
             if "memory_gib" in record:
                 shown["mem"] = f"{record['memory_gib']:.2f}G"
             shown["tok_s"] = f"{record['tokens_per_s']:.0f}"
+            if "tflops" in record:
+                shown["tflops"] = f"{record['tflops']:.0f}" + (f" ({record['mfu']:.0%} MFU)" if "mfu" in record else "")
             self.bar.set_postfix(shown)
         self.bar.update(1)
 

@@ -110,7 +110,8 @@ def build_model(cfg: Config, vocab_size: int, device, save_base=None):
         save_base(base)
     base.config.use_cache = False
     if cfg.model.tile_chunk:
-        tile_decoder_layers(base, cfg.model.tile_chunk)  # before checkpointing: the checkpoint wraps the tiled layer
+        tile_decoder_layers(base, cfg.model.tile_chunk, cfg.model.attention_chunk)  # before checkpoint_layers, which
+        # then leaves the tiled layers (their own checkpoints) unwrapped
     policy = None
     if cfg.model.activation_checkpointing:  # offload_layers is checked against the model's layer count there
         try:

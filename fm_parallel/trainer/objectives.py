@@ -14,24 +14,21 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from fm_parallel.logprobs import response_sums, token_logps
 from fm_parallel.trainer.config import Config
 from fm_parallel.trainer.data import Row, dpo_rows, sft_rows
 from fm_parallel.trainer.model import hidden_states
+from fm_parallel.trainer.tiling import tiled_map, tiled_sum
 
 __all__ = ["Objective", "SFT", "DPO", "OBJECTIVES", "objective", "chunked"]
 
 
 def chunked(head, hidden, labels, chunk: int, fn):
     """Sum of ``fn(logits_chunk, labels_chunk)`` over token chunks; each chunk's logits are recomputed
-    in the backward instead of kept, so ``[N, vocab]`` logits never exist at once."""
-    total = 0
-    for c0 in range(0, hidden.shape[1], chunk):
-        h, y = hidden[:, c0 : c0 + chunk], labels[:, c0 : c0 + chunk]
-        total = total + checkpoint(lambda h_, y_: fn(head(h_).float(), y_), h, y, use_reentrant=False)
-    return total
+    in the backward instead of kept, so ``[N, vocab]`` logits never exist at once, and ``hidden``'s
+    gradient is written chunk by chunk into one buffer (:func:`~fm_parallel.trainer.tiling.tiled_sum`)."""
+    return tiled_sum(lambda h_, y_: fn(head(h_).float(), y_), hidden, chunk, labels, params=head.parameters())
 
 
 class Objective:
@@ -102,13 +99,11 @@ class DPO(Objective):
         hidden = hidden_states(model, batch)
         head = model.get_base_model().lm_head
         chunk = self.cfg.training.loss_chunk
-        parts = []
-        for c0 in range(0, hidden.shape[1], chunk):
-            h, y = hidden[:, c0 : c0 + chunk], batch.labels[:, c0 : c0 + chunk]
-            parts.append(checkpoint(lambda h_, y_: token_logps(head(h_).float(), y_), h, y, use_reentrant=False))
+        logps = tiled_map(lambda h_, y_: token_logps(head(h_).float(), y_), hidden, chunk, batch.labels,
+                          params=head.parameters())
         # The trainer's labels are shifted (position t scores token t + 1, inside the same response), so a
         # scored position's own segment and sample are its target's.
-        return response_sums(torch.cat(parts, dim=1), batch.segment, batch.sample, samples=batch.samples, responses=2,
+        return response_sums(logps, batch.segment, batch.sample, samples=batch.samples, responses=2,
                              scored=batch.labels >= 0)
 
     def margins(self, model, batch, layout) -> torch.Tensor:

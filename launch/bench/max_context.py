@@ -73,6 +73,7 @@ def _config(shape: str, impl: str, args):
         s["hidden_size"], s["layers"], s["heads"], s["kv_heads"], s["intermediate_size"])
     m.attention = {"flashmask": "flashmask", "sdpa_dense": "sdpa", "flex": "flex"}[impl]
     m.tile_chunk = args.tile_chunk
+    m.attention_chunk = args.attention_chunk
     cfg.data.seq_len = args.max  # only sizes the rotary table
     cfg.parallel.cp = "none"
     cfg.training.loss_chunk = args.loss_chunk
@@ -126,7 +127,9 @@ def _step(model, impl: str, n: int, device, args) -> float:
     from fm_parallel.trainer.model import hidden as decoder_hidden
     from fm_parallel.trainer.objectives import chunked
 
-    mask = masks.document(masks.sample_lengths(n)).to(device)
+    host_mask = masks.document(masks.sample_lengths(n))
+    pairs = int(host_mask.visible_pairs().sum())
+    mask = host_mask.to(device)
     vocab = model.get_base_model().config.vocab_size
     ids = torch.randint(0, vocab, (1, n), device=device)
     labels = torch.roll(ids, -1, 1)
@@ -143,7 +146,9 @@ def _step(model, impl: str, n: int, device, args) -> float:
     optim.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    _step.last_pairs = pairs
+    return seconds
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -170,6 +175,7 @@ class _TimeUp(Exception):
 def run(shape: str, impl: str, device, args) -> dict:
     import gc
 
+    from fm_parallel.trainer.flops import peak_tflops, step_flops
     from fm_parallel.trainer.memory import MemoryPlanError, checkpoint_layers
 
     rows: list[dict] = []
@@ -194,6 +200,13 @@ def run(shape: str, impl: str, device, args) -> dict:
         try:
             seconds = _step(model, impl, n, device, args)
             row.update(fits=True, step_s=seconds, tokens_per_s=n / seconds)
+            if impl == "flashmask":  # the baselines differ in what they compute (dense N x N or block sparse)
+                count = step_flops(model.get_base_model().config, n, _step.last_pairs, tiled=args.tile_chunk > 0,
+                                   checkpoint_every=every)
+                row.update(tflop=count.total / 1e12, tflops_per_s=count.total / seconds / 1e12)
+                peak = peak_tflops(torch.cuda.get_device_name(device)) if cuda else None
+                if peak:
+                    row["mfu"] = count.total / seconds / 1e12 / peak
         except Exception as e:  # noqa: BLE001 - out of memory is the answer we look for; others are reported
             if not _is_oom(e):
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
@@ -250,8 +263,50 @@ def run(shape: str, impl: str, device, args) -> dict:
     except _TimeUp:
         stopped = f"time limit {args.time_limit:.0f} s"
         longest = max([r["n"] for r in rows if r["fits"]], default=0)
+    profile = None
+    if args.profile and cuda:
+        plan = planner.plan(args.profile, torch.cuda.memory_allocated())
+        checkpoint_layers(model.get_base_model(), plan.offload_layers, plan.every)
+        profile = profile_step(lambda: _step(model, impl, args.profile, device, args), args.profile)
+        profile.update(model=shape, impl=impl, checkpoint_every=plan.every, offload_layers=plan.offload_layers)
+        print(json.dumps(profile), flush=True)
+        (args.out / "max_context_profile.json").write_text(json.dumps(profile, indent=1))
     del model
-    return {"model": shape, "impl": impl, "longest": longest, "stopped": stopped, "calibration": calibration, "tried": rows}
+    return {"model": shape, "impl": impl, "longest": longest, "stopped": stopped, "calibration": calibration,
+            "tried": rows, "profile": profile}
+
+
+# Kernel names -> what they do, first match wins (CUDA time summed per kind in profile_step).
+KINDS = (
+    ("host copies", ("memcpy htod", "memcpy dtoh", "memcpy dtod", "memcpy")),
+    ("attention", ("flash", "fmha", "attention", "cutlass_kernel", "kernel_cutlass")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cublas", "sm90_", "cutlass")),
+    ("norm / reductions", ("reduce", "norm", "softmax", "log_softmax", "nll", "cross_entropy")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "copy", "fill", "cat", "index", "pow", "rsqrt", "mul", "add")),
+)
+
+
+def profile_step(step, n: int) -> dict:
+    """One step under torch.profiler (after the run's own warm steps): its wall time and the CUDA time
+    of its kernels by kind (:data:`KINDS`), the largest kernels named."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        seconds = step()
+    by_kind: dict[str, float] = {}
+    top = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / 1e6
+        if t <= 0 or e.key.startswith(("aten::", "cuda", "Profiler", "autograd::", "<")) or "Backward" in e.key:
+            continue
+        name = e.key.lower()
+        kind = next((k for k, words in KINDS if any(w in name for w in words)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + t
+        top.append((t, e.key[:120], e.count))
+    top.sort(reverse=True)
+    return {"n": n, "step_s": seconds, "cuda_s_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+            "cuda_s_total": sum(by_kind.values()),
+            "top_kernels": [{"s": t, "name": k, "calls": c} for t, k, c in top[:25]]}
 
 
 def _plot(results: list[dict], path: Path) -> None:
@@ -324,6 +379,11 @@ def main() -> None:
     parser.add_argument("--granularity", type=int, default=16384)
     parser.add_argument("--loss-chunk", type=int, default=8192)
     parser.add_argument("--tile-chunk", type=int, default=16384, help="tokens per chunk of each layer's per-token work (0: off)")
+    parser.add_argument("--attention-chunk", type=int, default=65536,
+                        help="query rows per FlashMask attention call inside a tiled layer (0: the whole sequence)")
+    parser.add_argument("--profile", type=int, default=None, metavar="N",
+                        help="after the runs, profile one step of N tokens (planned like the others): CUDA time by kind "
+                             "of kernel, written to max_context_profile.json")
     parser.add_argument("--offload", default="auto",
                         help="layers whose checkpoint lives on the host: auto (planned: just enough to fit), -1 (all) or a count")
     parser.add_argument("--checkpoint-every", default="auto",

@@ -1,0 +1,157 @@
+"""The run's memory plan (``model.memory_plan = "auto"``): where each step's activation checkpoints
+live, computed before the model is built, from its shape and one layer's memory measured on the GPU.
+
+    plan = plan_run(cfg, device, vocab_size)   # None unless auto on a GPU; sets model.checkpoint_every
+                                               # and model.offload_layers, or raises ConfigError naming
+                                               # what the length needs and what the machine has
+
+The measurement: a model of the run's shape with *one* decoder layer (the real vocabulary, the same
+tiling, LoRA and loss), its checkpoint on the host, runs a training step at two lengths; the peaks
+above its static memory give ``fixed + per_token * n`` (one layer's working set and the model-level
+terms: the hidden states between the layers, the loss). The real model's static memory is the one
+layer model's plus ``L - 1`` layers of parameters and every adapter's AdamW moments.
+:func:`~fm_parallel.trainer.memory.plan_memory` then picks the least recompute, then the fewest host
+copies, that fit the device and host budgets (``model.device_memory_gib``, ``model.host_memory_gib``).
+Under context parallelism each rank plans for its own tokens (``seq_len / cp``) and the ranks take the
+largest measurement, so they agree; the ring's receive buffers are not in the measurement (the 6%
+margin of the default device budget covers them).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+from typing import Callable
+
+import torch
+
+from fm_parallel.trainer.config import Config, ConfigError
+from fm_parallel.trainer.memory import GIB, MemoryPlan, MemoryPlanError, plan_memory
+
+__all__ = ["plan_run", "measure_one_layer", "host_memory_bytes"]
+
+
+def host_memory_bytes() -> int:
+    """The host's memory (``MemTotal``), 0 where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def measure_one_layer(cfg: Config, device: torch.device, vocab_size: int, lengths: tuple[int, int]) -> dict:
+    """Build the run's model with one decoder layer (checkpoint on the host) on ``device`` and run a
+    training step of each of ``lengths`` tokens (packed documents). Returns ``static`` (bytes before
+    the steps), ``layer`` (one decoder layer's parameter bytes), ``adapter`` (the trainable parameters'
+    bytes), ``fixed`` and ``per_token`` (the steps' peaks above static, fitted)."""
+    from fm_parallel import masks
+    from fm_parallel.trainer.memory import decoder_layers
+    from fm_parallel.trainer.model import build_model, hidden
+    from fm_parallel.trainer.objectives import chunked
+
+    one = copy.deepcopy(cfg)
+    one.model.layers, one.model.checkpoint_every, one.model.offload_layers = 1, 1, -1
+    one.model.activation_checkpointing, one.model.memory_plan = True, "fixed"
+    model = build_model(one, vocab_size, device)
+    layer = sum(p.numel() * p.element_size() for p in decoder_layers(model)[0].parameters())
+    adapter = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    head = model.get_base_model().lm_head
+    peaks = []
+    for n in lengths:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        static = torch.cuda.memory_allocated(device)
+        mask = masks.document(masks.sample_lengths(n)).to(device)
+        ids = torch.randint(0, vocab_size, (1, n), device=device)
+        h = hidden(model, ids, torch.arange(n, device=device).view(1, n), mask, None, cfg.parallel.impl or "auto")
+        loss = chunked(head, h, ids, cfg.training.loss_chunk,
+                       lambda logits, y: torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"))
+        loss.backward()
+        del h, loss
+        peaks.append(torch.cuda.max_memory_allocated(device) - static)
+        model.zero_grad(set_to_none=True)
+    (n1, n2), (u1, u2) = lengths, peaks
+    per_token = max((u2 - u1) / (n2 - n1), 0.0)
+    result = {"static": static, "layer": layer, "adapter": adapter, "fixed": max(u1 - per_token * n1, 0.0),
+              "per_token": per_token}
+    del model, head
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
+             measure: Callable[..., dict] = measure_one_layer, agree: Callable[[list[float]], list[float]] | None = None,
+             say: Callable[[str], None] = print) -> MemoryPlan | None:
+    """Plan ``model.memory_plan = "auto"`` for a run whose rows hold ``data.seq_len / cp`` tokens per
+    rank; sets ``model.checkpoint_every`` and ``model.offload_layers`` and returns the plan, or raises
+    :class:`ConfigError` (before any model of the run is built) naming what the length would need.
+    ``fixed``: returns None. Without a GPU nothing can be measured: a checkpoint per layer, none
+    offloaded, said once. ``agree``: the element-wise maximum over the ranks (so they plan alike)."""
+    m = cfg.model
+    if m.memory_plan != "auto":
+        return None
+    if device.type != "cuda":
+        say("memory plan: model.memory_plan = 'auto' measures on a GPU; on the CPU a checkpoint per layer, none offloaded")
+        m.checkpoint_every, m.offload_layers = 1, 0
+        return None
+    if not m.activation_checkpointing:
+        raise ConfigError("model.memory_plan: expected 'fixed' without activation checkpointing (the plan places "
+                          "checkpoints), got 'auto'")
+    n = cfg.data.seq_len // cp
+    base = max(2 * m.attention_chunk, 2 * m.tile_chunk, 2 * cfg.training.loss_chunk, 8192) if m.tile_chunk else 8192
+    lengths = (min(base, n), min(2 * base, 2 * n)) if n > 1 else (1, 2)
+    if lengths[0] == lengths[1]:
+        lengths = (lengths[0], lengths[0] * 2)
+    got = measure(cfg, device, vocab_size, lengths)
+    values = (agree or _largest_over_ranks)([got["static"], got["layer"], got["adapter"], got["fixed"], got["per_token"]])
+    static, layer, adapter, fixed, per_token = values
+    layers = _layers(cfg)
+    total = torch.cuda.get_device_properties(device).total_memory
+    device_budget = m.device_memory_gib * GIB if m.device_memory_gib else 0.94 * total
+    host_budget = m.host_memory_gib * GIB if m.host_memory_gib else 0.75 * host_memory_bytes()
+    # The real model's constants: the one-layer model's, L - 1 more layers, every adapter's AdamW moments.
+    constant = static + (layers - 1) * layer + (layers - 1) * adapter + 2 * layers * adapter + fixed
+    itemsize = {"float32": 4, "float64": 8}.get(m.dtype, 2)
+    try:
+        plan = plan_memory(n, layers=layers, hidden=_hidden(cfg), itemsize=itemsize, fixed_bytes=constant,
+                           bytes_per_token=per_token, device_budget=device_budget, host_budget=host_budget)
+    except MemoryPlanError as e:
+        raise ConfigError(f"data.seq_len: {e} (model.memory_plan = 'auto', measured on one layer: "
+                          f"{per_token / 2**10:.0f} KiB per token, {constant / GIB:.1f} GiB fixed)") from None
+    m.checkpoint_every, m.offload_layers = plan.every, plan.offload_layers
+    say(f"memory plan: {plan} (measured on one layer at {lengths[0]} and {lengths[1]} tokens: "
+        f"{per_token / 2**10:.0f} KiB per token beyond the checkpoints, {constant / GIB:.1f} GiB fixed)")
+    return plan
+
+
+def _largest_over_ranks(values: list[float]) -> list[float]:
+    """The element-wise maximum over the job's ranks (every rank then plans alike); as is without one."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _layers(cfg: Config) -> int:
+    if not cfg.model.path:
+        return cfg.model.layers
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(cfg.model.path, local_files_only=True).get_text_config().num_hidden_layers
+
+
+def _hidden(cfg: Config) -> int:
+    if not cfg.model.path:
+        return cfg.model.hidden_size
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(cfg.model.path, local_files_only=True).get_text_config().hidden_size
