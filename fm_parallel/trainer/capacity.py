@@ -86,7 +86,7 @@ def measure_one_layer(cfg: Config, device: torch.device, vocab_size: int, length
 
 
 def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
-             measure: Callable[..., dict] = measure_one_layer, agree: Callable[[list[float]], list[float]] | None = None,
+             measure: Callable[..., dict] | None = None, agree: Callable[[list[float]], list[float]] | None = None,
              say: Callable[[str], None] = print) -> MemoryPlan | None:
     """Plan ``model.memory_plan = "auto"`` for a run whose rows hold ``data.seq_len / cp`` tokens per
     rank; sets ``model.checkpoint_every`` and ``model.offload_layers`` and returns the plan, or raises
@@ -108,7 +108,7 @@ def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
     lengths = (min(base, n), min(2 * base, 2 * n)) if n > 1 else (1, 2)
     if lengths[0] == lengths[1]:
         lengths = (lengths[0], lengths[0] * 2)
-    got = measure(cfg, device, vocab_size, lengths)
+    got = (measure or measure_one_layer)(cfg, device, vocab_size, lengths)
     values = (agree or _largest_over_ranks)([got["static"], got["layer"], got["adapter"], got["fixed"], got["per_token"]])
     static, layer, adapter, fixed, per_token = values
     layers = _layers(cfg)

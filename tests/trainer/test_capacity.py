@@ -1,0 +1,121 @@
+"""The run's memory plan (model.memory_plan = "auto", fm_parallel/trainer/capacity.py) and the step's
+FLOPs (fm_parallel/trainer/flops.py). The GPU measurement is replaced by a stated one here (the CPU has
+no allocator statistics); the plan's choices, the refusal before the model is built, and the
+trainer's handling are what is tested."""
+
+import pytest
+import torch
+
+from fm_parallel.trainer.memory import GIB
+
+pytest.importorskip("transformers")
+
+KIB = 2**10
+
+
+def _cfg(*argv):
+    from fm_parallel.trainer.config import load_config
+
+    return load_config(["--model.hidden_size", "4096", "--model.layers", "32", "--model.heads", "32", "--model.kv_heads", "8",
+                        "--model.intermediate_size", "14336", "--model.tile_chunk", "16384", "--model.memory_plan", "auto",
+                        "--parallel.cp", "none", *argv], environ={})
+
+
+def _measured(per_token_kib: float, fixed_gib: float = 3.0):
+    """A stated one-layer measurement: the 8B shape's one-layer model (embedding, head, one layer)."""
+    layer = 218_103_808 * 2  # the layer's bf16 parameters
+    adapter = 4 * 2 * 16 * (4096 + 4096) * 4  # LoRA r16 on q/k/v/o (fp32), roughly
+
+    def measure(cfg, device, vocab, lengths):
+        return {"static": 2.1 * GIB, "layer": layer, "adapter": adapter, "fixed": fixed_gib * GIB,
+                "per_token": per_token_kib * KIB}
+
+    return measure
+
+
+class _Device:
+    type = "cuda"
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    """torch.cuda's memory for a stated 139 GiB device."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 139 * GIB})())
+
+
+@pytest.mark.parametrize("n, every, offload", [(262144, 1, 0), (524288, 1, 9), (1048576, 2, 18)])
+def test_the_plan_at_each_length_asked_directly(h200, n, every, offload):
+    """40 KiB per token and 17.8 GiB of constants (weights, adapters, the one-layer model's fixed
+    part): 256k needs no host copy; 512k 9 layers' checkpoints on the host (4 GiB each); at 1M a
+    checkpoint per layer cannot fit (256 GiB of them), every 2 layers with 9 of 16 on the host can."""
+    from fm_parallel.trainer.capacity import plan_run
+
+    cfg = _cfg("--data.seq_len", str(n), "--model.host_memory_gib", "100")
+    said = []
+    plan = plan_run(cfg, _Device(), 128256, measure=_measured(40), say=said.append)
+    assert (plan.every, plan.offload_layers) == (every, offload)
+    assert (cfg.model.checkpoint_every, cfg.model.offload_layers) == (every, offload)
+    assert plan.device_bytes <= 0.94 * 139 * GIB and plan.host_bytes <= 100 * GIB
+    assert len(said) == 1 and said[0].startswith(f"memory plan: {n} tokens:")
+
+
+def test_a_length_that_cannot_fit_is_refused_naming_what_it_needs(h200):
+    from fm_parallel.trainer.capacity import plan_run
+    from fm_parallel.trainer.config import ConfigError
+
+    cfg = _cfg("--data.seq_len", str(1 << 22), "--model.host_memory_gib", "100")
+    with pytest.raises(ConfigError, match=r"data.seq_len: n: 4194304 tokens do not fit: the closest plan needs [\d.]+ GiB "
+                                          r"on the device and [\d.]+ GiB of host memory, this machine gives 130.7 GiB and "
+                                          r"100.0 GiB .*measured on one layer: 40 KiB per token"):
+        plan_run(cfg, _Device(), 128256, measure=_measured(40), say=lambda s: None)
+
+
+def test_the_trainer_refuses_before_the_model_is_built(tmp_path, monkeypatch, h200):
+    """Through train(): a length no plan fits is one ConfigError, and build_model is never called."""
+    from fm_parallel.trainer import capacity, loop, parallel
+    from fm_parallel.trainer.config import ConfigError, load_config
+
+    monkeypatch.setattr(parallel, "device", lambda: _Device())
+    monkeypatch.setattr(capacity, "measure_one_layer", _measured(400))
+    monkeypatch.setattr(loop, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    cfg = load_config(["--model.memory_plan", "auto", "--data.seq_len", str(1 << 21), "--parallel.cp", "none",
+                       "--output.dir", str(tmp_path / "run"), "--model.host_memory_gib", "10"], environ={})
+    with pytest.raises(ConfigError, match=r"data.seq_len: n: 2097152 tokens do not fit"):
+        loop.train(cfg)
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_auto_on_the_cpu_says_it_cannot_measure_and_checkpoints_every_layer():
+    from fm_parallel.trainer.capacity import plan_run
+
+    cfg = _cfg("--model.offload_layers", "3")
+    said = []
+    assert plan_run(cfg, torch.device("cpu"), 258, say=said.append) is None
+    assert (cfg.model.checkpoint_every, cfg.model.offload_layers) == (1, 0)
+    assert said == ["memory plan: model.memory_plan = 'auto' measures on a GPU; on the CPU a checkpoint per layer, none offloaded"]
+
+
+def test_memory_plan_is_validated():
+    from fm_parallel.trainer.config import load_config
+
+    with pytest.raises(ValueError, match=r"model.memory_plan: expected fixed or auto, got 'guess'"):
+        load_config(["--model.memory_plan", "guess"], environ={})
+
+
+def test_the_step_flops_of_the_8b_shape():
+    from transformers import LlamaConfig
+
+    from fm_parallel.trainer.flops import peak_tflops, step_flops
+
+    c = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, vocab_size=128256)
+    layer = 2 * (4096 * 4096 + 2 * 4096 * 1024 + 4096 * 4096 + 3 * 4096 * 14336)  # forward FLOPs per token
+    head = 2 * 4096 * 128256
+    plain = step_flops(c, 1000, 0, tiled=False)
+    assert plain.linear == 1000 * (32 * layer * 3 + head * 3) and plain.attention == 0
+    tiled = step_flops(c, 1000, 5000, tiled=True)
+    q_and_kv = 2 * (4096 * 4096 + 2 * 4096 * 1024)
+    assert tiled.linear == 1000 * (32 * (q_and_kv * 4 + (layer - q_and_kv) * 3) + head * 3)
+    assert tiled.attention == 32 * 32 * 4 * 128 * 5000 * 4.5  # forward, recomputed forward, backward (2.5x)
+    assert step_flops(c, 1000, 0, tiled=True, checkpoint_every=2).linear == 1000 * (32 * (q_and_kv * 5 + (layer - q_and_kv) * 4) + head * 3)
+    assert peak_tflops("NVIDIA H200") == 989.0 and peak_tflops("a CPU") is None
