@@ -6,7 +6,8 @@ live, computed before the model is built, from its shape and one layer's memory 
                                                # what the length needs and what the machine has
 
 The measurement: a model of the run's shape with *one* decoder layer (the real vocabulary, the same
-tiling, LoRA and loss), its checkpoint on the host, runs a training step at two lengths; the peaks
+tiling, LoRA and loss), its checkpoint on the host, runs a training step at two lengths on one causal
+document (the mask that costs the tiled layer most); the peaks
 above its static memory give ``fixed + per_token * n`` (one layer's working set and the model-level
 terms: the hidden states between the layers, the loss). The real model's static memory is the one
 layer model's plus ``L - 1`` layers of parameters and every adapter's AdamW moments.
@@ -45,7 +46,7 @@ def host_memory_bytes() -> int:
 
 def measure_one_layer(cfg: Config, device: torch.device, vocab_size: int, lengths: tuple[int, int]) -> dict:
     """Build the run's model with one decoder layer (checkpoint on the host) on ``device`` and run a
-    training step of each of ``lengths`` tokens (packed documents). Returns ``static`` (bytes before
+    training step of each of ``lengths`` tokens (one causal document: the worst case). Returns ``static`` (bytes before
     the steps), ``layer`` (one decoder layer's parameter bytes), ``adapter`` (the trainable parameters'
     bytes), ``fixed`` and ``per_token`` (the steps' peaks above static, fitted)."""
     from fm_parallel import masks
@@ -66,7 +67,10 @@ def measure_one_layer(cfg: Config, device: torch.device, vocab_size: int, length
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         static = torch.cuda.memory_allocated(device)
-        mask = masks.document(masks.sample_lengths(n)).to(device)
+        # One causal document: the costliest structure for the tiled layer (its query chunks see windows
+        # that grow to the whole row, and their keys' gradients add up in float32); a plan made for it
+        # holds for any mask of the run's data (packed documents need less).
+        mask = masks.causal(n).to(device)
         ids = torch.randint(0, vocab_size, (1, n), device=device)
         h = hidden(model, ids, torch.arange(n, device=device).view(1, n), mask, None, cfg.parallel.impl or "auto")
         loss = chunked(head, h, ids, cfg.training.loss_chunk,
