@@ -85,6 +85,8 @@ class DataConfig:
     path: str = _key("", 'JSONL file ({"text"} for sft, {"prompt","chosen","rejected"} for dpo); empty: the stdlib corpus')
     tokenizer: str = _key("", "a local Hugging Face tokenizer folder; empty: bytes")
     seq_len: int = _key(2048, "tokens per packed row", low=2, high=2**31 - 1)
+    max_doc_tokens: int = _key(0, "sft: split longer documents into pieces of at most this many tokens, each its own "
+                                  "document (0: seq_len)", low=0)
     dpo_layout: str = _key("shared", "dpo rows: shared (one prompt, the dpo mask) | separate (prompt+chosen and "
                            "prompt+rejected as two causal documents, TRL's layout, the prompt computed twice)",
                            choices=DPO_LAYOUTS)

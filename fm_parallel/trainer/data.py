@@ -192,11 +192,16 @@ def _labels(ids: torch.Tensor, sample: torch.Tensor, scored: torch.Tensor) -> to
     return nxt
 
 
-def sft_rows(seq_len: int, tokenizer, path: str = "") -> Iterator[Row]:
+def sft_rows(seq_len: int, tokenizer, path: str = "", max_doc_tokens: int = 0) -> Iterator[Row]:
     """Packed SFT rows of ``seq_len`` tokens, forever (the corpus repeats). Each pass over the corpus
-    ends with its partial row, padded: every token of every record is in exactly one row per pass."""
+    ends with its partial row, padded: every token of every record is in exactly one row per pass.
+    A document longer than ``max_doc_tokens`` (0: ``seq_len``) is split into consecutive pieces of at
+    most that many tokens, each its own document (no attention across pieces)."""
     if not isinstance(seq_len, int) or seq_len < 2:
         raise DataError(f"data.seq_len: expected an int >= 2, got {seq_len!r}")
+    if not isinstance(max_doc_tokens, int) or max_doc_tokens < 0:
+        raise DataError(f"data.max_doc_tokens: expected an int >= 0 (0: seq_len), got {max_doc_tokens!r}")
+    piece_len = min(max_doc_tokens or seq_len, seq_len)
     texts = (lambda: (r["text"] for _, r in _jsonl(path, ("text",)))) if path else stdlib_texts
     while True:
         lengths: list[int] = []
@@ -205,8 +210,8 @@ def sft_rows(seq_len: int, tokenizer, path: str = "") -> Iterator[Row]:
         for text in texts():
             any_doc = True
             doc = [tokenizer.bos_id] + tokenizer.encode(text)
-            for start in range(0, len(doc), seq_len):
-                piece = doc[start : start + seq_len]
+            for start in range(0, len(doc), piece_len):
+                piece = doc[start : start + piece_len]
                 if len(tokens) + len(piece) > seq_len:
                     yield _sft_row(tokens, lengths, seq_len, tokenizer)
                     tokens, lengths = [], []

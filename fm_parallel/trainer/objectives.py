@@ -67,7 +67,7 @@ class SFT(Objective):
     name = "sft"
 
     def rows(self, tokenizer):
-        return sft_rows(self.cfg.data.seq_len, tokenizer, self.cfg.data.path)
+        return sft_rows(self.cfg.data.seq_len, tokenizer, self.cfg.data.path, self.cfg.data.max_doc_tokens)
 
     def denominator(self, rows):
         return max(sum(int((r.labels != -100).sum()) for r in rows), 1)

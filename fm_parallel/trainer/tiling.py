@@ -240,14 +240,14 @@ def _make_chunks(mask: FlashMask, rows: int) -> tuple[tuple[AttentionChunk, ...]
     b = torch.arange(1, n, device=mask.device)
     seen_later = torch.cummax(last_row, 0).values[:-1] >= b  # a key < b seen by a row >= b
     seen_earlier = torch.flip(torch.cummin(torch.flip(first_row, (0,)), 0).values, (0,))[1:] < b  # a key >= b by a row < b
-    cuts = b[~(seen_later | seen_earlier)].tolist()
+    cuts = b[~(seen_later | seen_earlier)].tolist() + [n]
     bounds, r0 = [], 0
     while r0 < n:
         i = bisect.bisect_right(cuts, r0 + rows) - 1
         r1 = cuts[i] if i >= 0 and cuts[i] > r0 else min(r0 + rows, n)
         bounds.append((r0, r1))
         r0 = r1
-    cut_set = set(cuts) | {0, n}
+    cut_set = set(cuts) | {0}
     windows = []
     for r0, r1 in bounds:  # the hull of the keys some row of [r0, r1) may see
         sees = (first_row <= r1 - 1) & (last_row >= r0)
@@ -256,13 +256,17 @@ def _make_chunks(mask: FlashMask, rows: int) -> tuple[tuple[AttentionChunk, ...]
     windows = torch.stack(windows).tolist()  # one sync for all chunks
     documents = mask.causal_documents()
     doc_ends = None if documents is None else [0, *_cumsum(documents)]
+    plain = None if documents is not None else _causal_document_keys(mask)  # padded rows: per chunk
     chunks = []
     for (r0, r1), (k0, k1) in zip(bounds, windows):
         if k1 <= k0:
             chunks.append(AttentionChunk(r0, r1, 0, 0, None, False, None))
             continue
         if r0 in cut_set and r1 in cut_set and r0 <= k0 and k1 <= r1:
-            sub = _local_mask(mask, r0, r1, doc_ends)
+            ends = doc_ends
+            if plain is not None and all(plain[0][r0:r1]):  # this chunk is causal documents (the row's padding is not)
+                ends = [r0, *(j + 1 for j in range(r0, r1) if plain[1][j])]
+            sub = _local_mask(mask, r0, r1, ends)
             chunks.append(AttentionChunk(r0, r1, r0, r1, sub, True,
                                          torch.arange(r1 - r0, dtype=torch.int32, device=mask.device)))
         else:
@@ -271,6 +275,25 @@ def _make_chunks(mask: FlashMask, rows: int) -> tuple[tuple[AttentionChunk, ...]
     spans = sorted((c.k0, c.k1) for c in chunks if c.k1 > c.k0)
     overlap = any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:]))
     return tuple(chunks), overlap
+
+
+def _causal_document_keys(mask: FlashMask):
+    """``(causal, ends)`` host lists over the keys (one sync), or None: ``causal[j]`` when key ``j`` is
+    seen exactly by rows ``j .. e`` with ``e`` the next document end, ``ends[j]`` when ``j`` ends a
+    document (its last row is itself). A chunk of causal keys between cuts is packed causal documents
+    even when the row is padded after them (a padded row's own mask says None)."""
+    if mask.batch != 1 or mask.heads != 1:
+        return None
+    fms, fme = mask.fms[0, 0], mask.fme[0, 0]
+    n = fms.shape[0]
+    cols = torch.arange(n, device=mask.device, dtype=fms.dtype)
+    ends = fme[:, 0] == cols
+    next_end = torch.flip(torch.cummin(torch.flip(torch.where(ends, cols, n), (0,)), 0).values, (0,))
+    causal = (fms[:, 0] == cols) & (fme[:, 0] == next_end)
+    if fms.shape[1] > 1:
+        causal &= (fms[:, 1:] > fme[:, 1:]).all(1)
+    both = torch.stack([causal, ends]).cpu().tolist()
+    return both[0], both[1]
 
 
 def _cumsum(xs):

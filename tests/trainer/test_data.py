@@ -111,3 +111,21 @@ def test_builtin_dpo_samples_fit_small_rows():
     with pytest.raises(DataError, match="data.seq_len"):
         next(sft_rows(0, TOK))
     assert torch.equal(next(sft_rows(64, TOK)).input_ids, next(sft_rows(64, TOK)).input_ids)
+
+
+def test_max_doc_tokens_splits_long_documents_into_pieces():
+    """The same tokens in the same order (a row ends where the next piece would not fit); no document
+    (a causal block of the mask) longer than the cap."""
+    from fm_parallel import masks
+    from fm_parallel.trainer.data import DataError, load_tokenizer, sft_rows
+
+    tok = load_tokenizer("")
+    whole, split = next(sft_rows(4096, tok)), next(sft_rows(4096, tok, max_doc_tokens=300))
+    real = split.input_ids[split.sample >= 0]
+    assert len(real) == 13 * 300 and torch.equal(real, whole.input_ids[: len(real)])
+    doc = split.sample[split.sample >= 0]
+    lengths = torch.unique_consecutive(doc, return_counts=True)[1]
+    assert lengths.tolist() == [300] * 13
+    assert torch.equal(split.mask.fms, masks.document(lengths.tolist(), n=4096).fms)
+    with pytest.raises(DataError, match=r"data.max_doc_tokens: expected an int >= 0 \(0: seq_len\), got -1"):
+        next(sft_rows(4096, tok, max_doc_tokens=-1))

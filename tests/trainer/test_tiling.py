@@ -88,6 +88,7 @@ MASKS = {
     "window + sinks": lambda: masks.sliding_window(N, 40, 4),
     "dpo": lambda: masks.dpo(60, 50, 40, n=N),
     "padding": _padded,
+    "padded documents": lambda: masks.document([90, 130, 50], n=N),
 }
 
 
@@ -125,7 +126,10 @@ def test_the_chunks_end_between_documents_and_know_them():
     assert [(c.r0, c.r1, c.k0, c.k1, c.local) for c in chunks] == [(0, 128, 0, 128, False), (128, 256, 0, 256, False),
                                                                   (256, 300, 0, 300, False)]
     assert overlap
-    assert attention_chunks(masks.causal(N), 128) is attention_chunks(masks.causal(N), 128) or True  # cached per mask
+    # A padded row: its mask is not "causal documents" as a whole, but each chunk of documents is.
+    chunks, _ = attention_chunks(masks.document([100, 120, 50], n=N), 128)
+    assert [(c.r0, c.r1, c.local) for c in chunks] == [(0, 100, True), (100, 220, True), (220, 300, True)]
+    assert [c.mask.causal_documents() for c in chunks] == [(100,), (120,), None]  # the last holds the padding
     m = masks.causal(N)
     assert attention_chunks(m, 128) is attention_chunks(m, 128)
     with pytest.raises(ValueError, match="rows: expected a positive number of query rows per chunk, got 0"):
@@ -161,9 +165,9 @@ def test_the_chunked_path_runs_attention_per_chunk(monkeypatch):
         original = getattr(ref, name)
         monkeypatch.setattr(ref, name, lambda *a, _o=original, _n=name, **k: (calls.append((_n, a[0].shape[2])), _o(*a, **k))[1])
     _step(_model(tile=50, attention_chunk=100, layers=1), masks.document([100, 120, 80]))
-    # Chunks 0-100 (a document), 100-200 (100 rows of the 120-token document), 200-220 (its rest), 220-300
-    # (a document): forward, the backward's recomputed forward, backward each.
-    assert sorted(calls) == sorted((p, n) for p in ("forward", "forward", "backward") for n in (100, 100, 20, 80))
+    # Chunks 0-100 (a document), 100-200 (100 rows of the 120-token document), 200-300 (its rest and the
+    # last document): forward, the backward's recomputed forward, backward each.
+    assert sorted(calls) == sorted((p, n) for p in ("forward", "forward", "backward") for n in (100, 100, 100))
 
 
 def test_a_tiled_layer_keeps_its_input_only():
