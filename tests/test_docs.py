@@ -169,12 +169,13 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
              "tests/integrations/test_deepspeed_alst.py::test_alst_in_the_hf_trainer_equals_one_process",
              ("ulysses_parallelism_config(", "deepspeed.init_distributed(")),
     # ---------------------------------------------------------------- docs/long-context.md
-    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --start 262144 --max 1048576 "
-                             "--granularity 262144 --host-gib 96 --time-limit 300"): Skip(GPU, "8B model at 256k-1M tokens, H200"),
-    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --lengths 1048576 524288 262144 "
-                             "--host-gib 110"): Skip(GPU, "8B model planned and run at 1M, 512k and 256k tokens, H200"),
+    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --lengths 524288 262144 "
+                             "--calibrate 65536 131072 --host-gib 100"):
+        Skip(GPU, "8B model planned and run at 512k and 256k tokens (run on the H100, 2026-12-05)"),
     ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_512k.toml"):
         Skip(GPU, "8B model at 512k tokens, H200"),
+    ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_1m.toml"):
+        Skip(GPU, "8B model at 1M tokens, H200"),
     # ---------------------------------------------------------------- docs/masks.md
     ("docs/masks.md", "python docs/draw_masks.py"): Run(expect="wrote"),
     ("docs/masks.md", "from fm_parallel import flashmask_attention, masks"): Run(prelude=TENSORS),
