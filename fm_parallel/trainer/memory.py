@@ -49,7 +49,11 @@ class CheckpointPolicy:
 
 class HostOffload(torch.autograd.graph.saved_tensors_hooks):
     """Tensors saved for the backward go to host memory (pinned when a GPU is present) in the forward
-    and come back to their device when the backward unpacks them. Host tensors stay where they are."""
+    and come back to their device when the backward unpacks them. Host tensors stay where they are.
+
+    On a GPU the copy out runs on a side stream (:func:`_copy_stream`), overlapped with the layers that
+    follow: the device tensor is marked used by that stream (``record_stream``), so its memory is not
+    reused before the copy has read it, and the copy back waits for the copy out's event."""
 
     def __init__(self, policy: CheckpointPolicy):
         pin = torch.cuda.is_available()
@@ -57,16 +61,39 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
         def pack(t: torch.Tensor):
             policy.host_bytes += t.numel() * t.element_size()
             if t.device.type == "cpu":
-                return None, t
+                return None, t, None
             host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
-            host.copy_(t)  # synchronous: the device copy may be freed right after the forward
-            return t.device, host
+            if t.device.type != "cuda":
+                host.copy_(t)
+                return t.device, host, None
+            stream = _copy_stream(t.device)
+            stream.wait_stream(torch.cuda.current_stream(t.device))  # t is written before it is read
+            with torch.cuda.stream(stream):
+                host.copy_(t, non_blocking=True)
+            t.record_stream(stream)
+            done = torch.cuda.Event()
+            done.record(stream)
+            return t.device, host, done
 
         def unpack(packed):
-            device, host = packed
-            return host if device is None else host.to(device, non_blocking=pin)
+            device, host, done = packed
+            if device is None:
+                return host
+            if done is not None:
+                torch.cuda.current_stream(device).wait_event(done)
+            return host.to(device, non_blocking=pin)
 
         super().__init__(pack, unpack)
+
+
+_COPY_STREAMS: dict = {}
+
+
+def _copy_stream(device: torch.device):
+    """One side stream per GPU for the checkpoints' copies to the host."""
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:

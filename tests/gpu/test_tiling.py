@@ -16,14 +16,14 @@ from tests.gpu import needs_cuda
 N = 32768
 
 
-def _run(tile: int, attention_chunk: int, mask, impl: str):
+def _run(tile: int, attention_chunk: int, mask, impl: str, *extra: str):
     from fm_parallel.trainer.config import load_config
     from fm_parallel.trainer.model import build_model, hidden
     from fm_parallel.trainer.objectives import chunked
 
     argv = ["--model.hidden_size", "1024", "--model.layers", "2", "--model.heads", "8", "--model.kv_heads", "2",
             "--model.intermediate_size", "2048", "--parallel.cp", "none", "--model.tile_chunk", str(tile),
-            "--model.attention_chunk", str(attention_chunk)]
+            "--model.attention_chunk", str(attention_chunk), *extra]
     model = build_model(load_config(argv, environ={}), 1024, torch.device("cuda"))
     for name, p in model.named_parameters():
         if "lora_B" in name:
@@ -58,3 +58,14 @@ def test_attention_per_query_chunk_equals_one_call_and_the_untiled_layer(kind, i
     untiled = _run(0, 0, mask, impl)
     _close(chunked, whole)
     _close(chunked, untiled)
+
+
+@needs_cuda
+def test_checkpoints_copied_to_the_host_on_a_side_stream_change_nothing():
+    """HostOffload's copy out runs on its own stream: the same loss and gradients, bit for bit."""
+    mask = masks.document(masks.sample_lengths(N)).to("cuda")
+    kept = _run(4096, 8192, mask, "auto")
+    moved = _run(4096, 8192, mask, "auto", "--model.offload_layers", "-1")
+    assert moved[0] == kept[0]
+    for name, w in kept[1].items():
+        assert torch.equal(moved[1][name], w), name
