@@ -172,6 +172,9 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
     ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --lengths 524288 262144 "
                              "--calibrate 65536 131072 --host-gib 100"):
         Skip(GPU, "8B model planned and run at 512k and 256k tokens (run on the H100, 2026-12-05)"),
+    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --lengths 524288 "
+                             "--calibrate 65536 131072 --profile 131072 --host-gib 100"):
+        Skip(GPU, "8B model: a profiled step at 131k and one at 512k (run on the H100, 2026-12-05)"),
     ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_512k.toml"):
         Skip(GPU, "8B model at 512k tokens, H200"),
     ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_1m.toml"):

@@ -62,10 +62,11 @@ def test_attention_per_query_chunk_equals_one_call_and_the_untiled_layer(kind, i
 
 @needs_cuda
 def test_checkpoints_copied_to_the_host_on_a_side_stream_change_nothing():
-    """HostOffload's copy out runs on its own stream: the same loss and gradients, bit for bit."""
+    """HostOffload's copy out runs on its own stream: the same loss and gradients, bit for bit (Triton:
+    its backward is deterministic; FA4's adds dQ with atomics, so two of its runs differ in rounding)."""
     mask = masks.document(masks.sample_lengths(N)).to("cuda")
-    kept = _run(4096, 8192, mask, "auto")
-    moved = _run(4096, 8192, mask, "auto", "--model.offload_layers", "-1")
+    kept = _run(4096, 8192, mask, "triton")
+    moved = _run(4096, 8192, mask, "triton", "--model.offload_layers", "-1")
     assert moved[0] == kept[0]
     for name, w in kept[1].items():
         assert torch.equal(moved[1][name], w), name
