@@ -207,7 +207,7 @@ def test_kernel_benchmark_masks_equal_the_flex_predicates_they_are_compared_with
 
 def test_every_benchmark_summarises_repeats_one_way():
     """min / median / max from one helper (the median of an even count is the mean of the middle two)."""
-    from launch.bench.repeats import spread
+    from launch.bench.harness import spread
 
     assert spread([3.0, 1.0, 2.0, 10.0]) == {"min": 1.0, "median": 2.5, "max": 10.0, "repeats": 4}
     with pytest.raises(ValueError, match="times: expected at least one measurement"):

@@ -59,8 +59,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from launch.bench.ranks import DTYPES  # noqa: E402
-from launch.bench.repeats import spread  # noqa: E402
+from launch.bench.harness import DTYPES, spread  # noqa: E402
 
 
 def top_host(fn, calls: int, lines: int = 14, sort: str | tuple[str, ...] = "cumulative") -> str:
