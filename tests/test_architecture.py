@@ -5,6 +5,7 @@
   ``if TYPE_CHECKING:`` (annotations only);
 * no script under ``launch/`` takes a private name (``_x``) from ``fm_parallel``;
 * nothing in the tree imports a top-level ``kernels`` (our folder is only ``fm_parallel.kernels``);
+* no trainer module but ``objectives.py`` compares an objective's name (an objective is one class);
 * the deprecated ``fm_parallel.launchers`` view is gone.
 """
 
@@ -159,6 +160,36 @@ def test_nothing_imports_a_top_level_kernels():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.split(".")[0] == "kernels"]
     assert not found, "top-level `kernels` imports (use fm_parallel.kernels):\n" + "\n".join(found)
+
+
+def _objective_name_tests(tree: ast.AST) -> list[int]:
+    """Lines comparing something called ``objective`` (a name or an attribute) with a string."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = any(getattr(n, "id", getattr(n, "attr", None)) == "objective" for n in sides)
+            strings = any(isinstance(n, ast.Constant) and isinstance(n.value, str) for n in sides) or any(
+                isinstance(n, (ast.Tuple, ast.List, ast.Set)) and any(isinstance(e, ast.Constant) for e in n.elts)
+                for n in sides)
+            if named and strings:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_objective_name_finder_finds_a_branch():
+    assert _objective_name_tests(ast.parse('if cfg.data.objective == "dpo":\n    pass\n')) == [1]
+    assert _objective_name_tests(ast.parse('x = objective in ("sft", "dpo")\n')) == [1]
+    assert _objective_name_tests(ast.parse("x = OBJECTIVES[cfg.data.objective](cfg)\n")) == []
+
+
+def test_only_objectives_py_branches_on_the_objective():
+    """Adding an objective is one class in trainer/objectives.py: no other library module asks which
+    objective runs (data checks are ``Objective.validate``, losses ``Objective.loss``)."""
+    found = [f"{path.relative_to(ROOT)}:{line}" for name, path in _modules().items()
+             if name != "fm_parallel.trainer.objectives"
+             for line in _objective_name_tests(ast.parse(path.read_text(), str(path)))]
+    assert not found, "objective branches outside trainer/objectives.py:\n" + "\n".join(found)
 
 
 def test_the_deprecated_launchers_view_is_gone():

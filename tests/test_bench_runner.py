@@ -34,7 +34,7 @@ def test_list_prints_every_benchmark_and_the_docs_hold_the_same_table():
 def test_every_script_under_launch_bench_is_in_the_catalogue_or_a_helper():
     from launch.bench.run import CATALOGUE
 
-    helpers = {"run.py", "plots.py", "ranks.py", "repeats.py"}
+    helpers = {"run.py", "harness.py"}
     scripts = {p.name for p in (ROOT / "launch" / "bench").glob("*") if p.is_file()}
     assert scripts - helpers == {b.script for b in CATALOGUE}
 

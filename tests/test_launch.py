@@ -207,7 +207,7 @@ def test_kernel_benchmark_masks_equal_the_flex_predicates_they_are_compared_with
 
 def test_every_benchmark_summarises_repeats_one_way():
     """min / median / max from one helper (the median of an even count is the mean of the middle two)."""
-    from launch.bench.repeats import spread
+    from launch.bench.harness import spread
 
     assert spread([3.0, 1.0, 2.0, 10.0]) == {"min": 1.0, "median": 2.5, "max": 10.0, "repeats": 4}
     with pytest.raises(ValueError, match="times: expected at least one measurement"):
@@ -308,3 +308,22 @@ def test_cp_layer_cost_runs_each_rank_of_the_ring_in_one_process():
         assert stats.transfers_posted + stats.transfers_skipped > 0
         skipped += stats.transfers_skipped
     assert skipped > 0  # packed documents: some ranks' keys are never seen by others
+
+
+def test_cp_layer_cost_command_line_and_per_step_averages():
+    """The split-out pieces of ``cp_layer_cost.py``'s main: the documented defaults, the CPU refused
+    by name before anything is measured, and a rank's kernel ms per ring step averaged over layers
+    (step s holds source rank (r - s) % P; a step whose keys the rank never sees stays 0.0)."""
+    from launch.bench.cp_layer_cost import main, parse_args, per_step_ms
+
+    args = parse_args([])
+    assert (args.device, args.ns, args.ps, args.balances, args.layers) == (
+        "cuda", [131072, 262144, 524288, 1048576], [2, 4, 8], ["mask"], 4)
+    with pytest.raises(SystemExit, match="--device cpu is not supported"):
+        main(["--device", "cpu"])
+    table = torch.tensor([[5, 0, 3], [1, 1, 1], [0, 2, 2]])  # rank 0 sees keys of ranks 0 and 2, none of rank 1
+    steps = {"fwd": [1.0, 2.0, 3.0, 4.0], "bwd": [10.0, 20.0, 30.0, 40.0]}  # two layers, two launches each
+    assert per_step_ms(steps, table, 0, 3, 2) == {"fwd": [2.0, 3.0, 0.0], "bwd": [20.0, 30.0, 0.0]}
+    # rank 2 sees its own keys and rank 1's (step 1), not rank 0's (step 2)
+    assert per_step_ms({"fwd": [1.0, 1.0], "bwd": [2.0, 4.0]}, table, 2, 3, 1) == {"fwd": [1.0, 1.0, 0.0],
+                                                                                   "bwd": [2.0, 4.0, 0.0]}

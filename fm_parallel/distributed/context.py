@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -34,11 +33,13 @@ class ContextParallel:
         cuda_graphs: each step's ring layers captured once and replayed (``prepare(..., cuda_graphs=True)``,
             :mod:`fm_parallel.distributed.graphs`); ring mode on CUDA tensors over NCCL only.
 
-    Per step the mask is prepared once (:class:`PreparedMask`): the first layer's call with a new
-    FlashMask object makes it, every later layer, forward and backward, reuses it; pass
-    :meth:`prepare`'s result instead to choose the moment yourself. Every call agrees across ranks
-    (one small all-gather): a rank whose call differs from its peers' (shapes, dtype, kernel, plan,
-    mask) raises the same ValueError as they do, at whatever layer.
+    Per step the mask is prepared once (:class:`PreparedMask`). Pass :meth:`prepare`'s result to every
+    layer (the trainer and the Hugging Face trainers do: nothing is looked up per layer); or pass the
+    bare FlashMask: the first layer's call with a new FlashMask object prepares it, and every later
+    layer, forward and backward, reuses it while :meth:`PreparedMask.made_from` says it is that mask
+    (or its device copy), unedited. Every call agrees across ranks (one small all-gather): a rank
+    whose call differs from its peers' (shapes, dtype, kernel, plan, mask) raises the same ValueError
+    as they do, at whatever layer.
     """
 
     mode: str
@@ -48,7 +49,8 @@ class ContextParallel:
     impl: str | None = None
     stats: RingStats | None = None
     cuda_graphs: bool = False
-    _last: tuple | None = field(default=None, init=False, repr=False, compare=False)
+    # The step's mask last prepared here, for callers that pass the same bare FlashMask to every layer.
+    _step: PreparedMask | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.mode not in CP_MODES:
@@ -70,17 +72,16 @@ class ContextParallel:
         structure there without a device sync."""
         from fm_parallel.distributed.prepared import prepare
 
-        prepared = prepare(mask, self.plan, self.group, mesh=self.mesh if self.mode == "hybrid" else None, device=device,
-                           cuda_graphs=self.cuda_graphs)
-        self._remember(prepared)
-        return prepared
+        # Kept as well, so a caller that prepares here but then passes the bare mask still reuses it.
+        self._step = prepare(mask, self.plan, self.group, mesh=self.mesh if self.mode == "hybrid" else None, device=device,
+                             cuda_graphs=self.cuda_graphs)
+        return self._step
 
-    def _remember(self, prepared: PreparedMask) -> None:
-        # Both the mask given and its device copy name this step's mask; their version counters tell an
-        # in-place edit (then the prepared data may be stale).
-        masks = {id(m): (weakref.ref(m), m.fms._version, m.fme._version)
-                 for m in (prepared.mask, prepared.host_mask) if m is not None}
-        self._last = (masks, prepared)
+    @property
+    def prepared(self) -> PreparedMask | None:
+        """The PreparedMask last made by this context (by :meth:`prepare`, or by a call given a bare
+        FlashMask), None before the first; the one a bare FlashMask call reuses when it was made from it."""
+        return self._step
 
     def _prepared(self, q, k, v, mask) -> PreparedMask:
         """The prepared mask of ``mask``: the last one when it is the same object (or its device copy),
@@ -92,10 +93,8 @@ class ContextParallel:
                                   "cuda_graphs; those layers run eagerly (prepare(..., cuda_graphs=True), or pass the "
                                   "FlashMask and let ContextParallel prepare it)")
             return mask
-        if self._last is not None and isinstance(mask, FlashMask):
-            known = self._last[0].get(id(mask))
-            if known is not None and known[0]() is mask and (mask.fms._version, mask.fme._version) == known[1:]:
-                return self._last[1]
+        if self._step is not None and self._step.made_from(mask):
+            return self._step
         mesh = self.mesh if self.mode == "hybrid" else None
         # Prepared here on this rank alone (the loader's host mask moved to q's device once, CUDA graphs
         # set up), no collective: the attention call's agreement then checks it against the peers'. A
@@ -104,7 +103,7 @@ class ContextParallel:
         prepared, problem = local_prepare(q, mask, self.plan, self.group, mesh=mesh, cuda_graphs=self.cuda_graphs)
         if problem is not None:
             fail_together(q, k, v, mask, self.plan, self.group, mesh=mesh, problem=problem)
-        self._remember(prepared)
+        self._step = prepared
         return prepared
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlashMask | PreparedMask,

@@ -194,9 +194,22 @@ class PreparedMask:
         self.counters["checks"] += 1
         return result
 
+    def made_from(self, mask) -> bool:
+        """Whether ``mask`` is the FlashMask this was prepared from, or its device copy, with its bounds
+        unedited since: then this prepared mask still describes it, and a caller that passes the same
+        FlashMask to every layer (:class:`~fm_parallel.distributed.context.ContextParallel`) reuses it.
+        Object identity, never ``id()``: this prepared mask holds both masks, so neither can be freed
+        and another take its place."""
+        for i, held in enumerate(self._masks()):
+            if held is mask:
+                return (mask.fms._version, mask.fme._version) == self._versions[2 * i : 2 * i + 2]
+        return False
+
+    def _masks(self) -> tuple[FlashMask, ...]:
+        return (self.mask,) if self.host_mask is None else (self.mask, self.host_mask)
+
     def _bounds_versions(self) -> tuple[int, ...]:
-        masks = (self.mask,) if self.host_mask is None else (self.mask, self.host_mask)
-        return tuple(t._version for m in masks for t in (m.fms, m.fme))
+        return tuple(t._version for m in self._masks() for t in (m.fms, m.fme))
 
 
 def _agreement_key(q, k, v, group, groups) -> tuple:

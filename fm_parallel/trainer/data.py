@@ -9,7 +9,9 @@ document.
 Every record is trained on exactly once per pass over the data: the last, partial row of a pass is
 padded and yielded, never dropped (a data set smaller than one row is one padded row per pass).
 A JSONL file is checked in one fast pass before training (:func:`validate_jsonl`): a line that is not
-JSON, not an object, lacks a string field, or is not UTF-8 raises naming ``file:line``.
+JSON, not an object, lacks a string field, or is not UTF-8 raises naming ``file:line``. Which fields a
+record holds and what else it must satisfy is the objective's to say
+(:meth:`fm_parallel.trainer.objectives.Objective.validate`): this module knows no objective by name.
 
 DPO rows pack several ``[prompt, chosen, rejected]`` samples with the ``dpo`` mask (``layout="shared"``:
 the prompt computed once). Each response starts with a separator token so that its first real token
@@ -36,9 +38,12 @@ from fm_parallel import masks
 from fm_parallel.masks.flashmask import FlashMask
 
 __all__ = ["ByteTokenizer", "load_tokenizer", "Row", "sft_rows", "dpo_rows", "stdlib_texts", "validate_jsonl", "DataError",
-           "DPO_LAYOUTS"]
+           "DPO_LAYOUTS", "SFT_FIELDS", "DPO_FIELDS", "check_dpo_sample"]
 
 DPO_LAYOUTS = ("shared", "separate")
+# The string fields of one JSONL record, per row format (data.path's format).
+SFT_FIELDS = ("text",)
+DPO_FIELDS = ("prompt", "chosen", "rejected")
 
 
 class DataError(ValueError):
@@ -142,25 +147,22 @@ def _jsonl(path: str, keys: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
                 yield n, record
 
 
-def _keys(objective: str) -> tuple[str, ...]:
-    return ("text",) if objective == "sft" else ("prompt", "chosen", "rejected")
-
-
-def validate_jsonl(path: str, objective: str, seq_len: int | None = None, tokenizer=None, stop=None,
-                   dpo_layout: str = "shared") -> int:
+def validate_jsonl(path: str, fields: tuple[str, ...], check=None, stop=None) -> int:
     """One pass over a JSONL data file before training; returns the number of records.
 
-    Raises :class:`DataError` naming ``file:line`` for the first line that is not UTF-8, not JSON,
-    not an object or lacks a string field; for DPO with ``seq_len`` and ``tokenizer`` also for the
-    first sample that does not fit one row. ``stop()``: polled, a stop request ends the pass early
-    (returns -1)."""
+    Raises :class:`DataError` naming ``file:line`` for the first line that is not UTF-8, not JSON, not
+    an object or lacks one of the string ``fields``. ``check(line, record)``: called on every record
+    (its fields already checked), raises for a record the objective cannot train on. ``stop()``:
+    polled, a stop request ends the pass early (returns -1)."""
+    if not isinstance(fields, tuple) or not fields or not all(isinstance(f, str) for f in fields):
+        raise ValueError(f"fields: expected a non-empty tuple of field names (str), got {fields!r}")
     if not os.path.isfile(path):
         raise DataError(f"data.path: expected an existing JSONL file, got {path!r}")
     count = 0
-    for n, record in _jsonl(path, _keys(objective)):
+    for n, record in _jsonl(path, fields):
         count += 1
-        if objective == "dpo" and tokenizer is not None and seq_len is not None:
-            _check_dpo_fits(path, n, tokenizer, record, seq_len, dpo_layout)
+        if check is not None:
+            check(n, record)
         if stop is not None and count % 1024 == 0 and stop():
             return -1
     if count == 0:
@@ -173,9 +175,12 @@ def _dpo_size(p: int, c: int, r: int, layout: str) -> int:
     return (2 if layout == "separate" else 1) * p + c + r + 2
 
 
-def _check_dpo_fits(path: str, n: int, tokenizer, record: dict, seq_len: int,
-                    layout: str = "shared") -> tuple[list[int], list[int], list[int]]:
-    p, c, r = (tokenizer.encode(record[k]) for k in ("prompt", "chosen", "rejected"))
+def check_dpo_sample(path: str, n: int, tokenizer, record: dict, seq_len: int,
+                     layout: str = "shared") -> tuple[list[int], list[int], list[int]]:
+    """The (prompt, chosen, rejected) tokens of the DPO ``record`` on line ``n`` of ``path``; a
+    :class:`DataError` naming ``path:n`` and the sizes if the sample does not fit one row of
+    ``seq_len`` tokens in ``layout`` (a sample is never cut)."""
+    p, c, r = (tokenizer.encode(record[k]) for k in DPO_FIELDS)
     size = _dpo_size(len(p), len(c), len(r), layout)
     if size > seq_len:
         prompt = f"prompt {len(p)}" if layout == "shared" else f"2 x prompt {len(p)} (data.dpo_layout = 'separate')"
@@ -202,7 +207,7 @@ def sft_rows(seq_len: int, tokenizer, path: str = "", max_doc_tokens: int = 0) -
     if not isinstance(max_doc_tokens, int) or max_doc_tokens < 0:
         raise DataError(f"data.max_doc_tokens: expected an int >= 0 (0: seq_len), got {max_doc_tokens!r}")
     piece_len = min(max_doc_tokens or seq_len, seq_len)
-    texts = (lambda: (r["text"] for _, r in _jsonl(path, ("text",)))) if path else stdlib_texts
+    texts = (lambda: (r["text"] for _, r in _jsonl(path, SFT_FIELDS))) if path else stdlib_texts
     while True:
         lengths: list[int] = []
         tokens: list[int] = []
@@ -239,8 +244,8 @@ def _dpo_samples(tokenizer, path: str, seq_len: int, layout: str = "shared") -> 
     fit a quarter of a row (a fifth for the separate layout; synthetic samples, built to fit; a file's
     samples are never cut). Both layouts get the same samples for the same ``seq_len``."""
     if path:
-        for n, r in _jsonl(path, ("prompt", "chosen", "rejected")):
-            yield _check_dpo_fits(path, n, tokenizer, r, seq_len, layout)
+        for n, r in _jsonl(path, DPO_FIELDS):
+            yield check_dpo_sample(path, n, tokenizer, r, seq_len, layout)
         return
     prompt = min(64, seq_len // 5)
     response = max(min(96, seq_len // 5 - 1), 1)

@@ -26,9 +26,10 @@ from fm_parallel.trainer.config import Config, ConfigError, check_before_start, 
 from fm_parallel.trainer.data import DataError
 from fm_parallel.trainer.export import save_base_model
 from fm_parallel.trainer.flops import rows_flops
-from fm_parallel.trainer.model import build_model, build_tokenizer, preflight
+from fm_parallel.trainer.model import build_model, build_tokenizer
 from fm_parallel.trainer.objectives import objective as make_objective
 from fm_parallel.trainer.optimizer import build_optimizer, set_learning_rate, update
+from fm_parallel.trainer.preflight import preflight
 
 __all__ = ["main", "train", "USER_ERRORS"]
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fm_parallel.trainer.config import Config, ConfigError
-from fm_parallel.trainer.data import Row, validate_jsonl
+from fm_parallel.trainer.data import Row
 
 __all__ = ["MetricsLog", "Progress", "HeldOut", "Loggers", "row_digest", "memory_gib", "ema", "step_started", "step_record",
            "plot", "finish"]
@@ -243,7 +243,7 @@ class HeldOut:
         if not e.rows:
             return
         if e.path:
-            validate_jsonl(e.path, cfg.data.objective, cfg.data.seq_len, tokenizer, None, cfg.data.dpo_layout)
+            objective.validate(e.path, tokenizer)  # the run's objective: its fields, its record check
             source = type(objective)(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=e.path)))
             stream = source.rows(tokenizer)
         else:

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 from fm_parallel.trainer.config import Config, ConfigError
-from fm_parallel.trainer.data import load_tokenizer, validate_jsonl
+from fm_parallel.trainer.data import load_tokenizer
 from fm_parallel.trainer.memory import checkpoint_layers
 from fm_parallel.trainer.tiling import tile_decoder_layers
 
-__all__ = ["tokenizer_source", "build_tokenizer", "check_vocabulary", "build_model", "hidden", "hidden_states", "preflight"]
+__all__ = ["tokenizer_source", "build_tokenizer", "check_vocabulary", "build_model", "hidden", "hidden_states"]
 
 
 # What a Hugging Face model folder holds when it carries its own tokenizer (what AutoTokenizer reads).
@@ -70,15 +70,6 @@ def check_vocabulary(cfg: Config, tokenizer) -> None:
         raise ConfigError(f"model.path: expected a model whose vocabulary holds {which}'s {tokenizer.vocab_size} ids, got "
                           f"vocab_size {vocab} in {cfg.model.path}; set data.tokenizer to the model's own tokenizer "
                           "folder (or use a model trained with this tokenizer)")
-
-
-def preflight(cfg: Config, tokenizer, stop) -> None:
-    """Checks that need no model: folders exist, the data file is valid (one pass, ``file:line`` named)."""
-    if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
-        raise ConfigError(f"model.path: expected a local Hugging Face model folder with a config.json, got {cfg.model.path!r}")
-    check_vocabulary(cfg, tokenizer)
-    if cfg.data.path:
-        validate_jsonl(cfg.data.path, cfg.data.objective, cfg.data.seq_len, tokenizer, stop, cfg.data.dpo_layout)
 
 
 def build_model(cfg: Config, vocab_size: int, device, save_base=None):

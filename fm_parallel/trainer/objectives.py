@@ -1,11 +1,13 @@
-"""Training objectives: what rows a run trains on, what its loss of one row is, and what the step's
-loss is normalised by. Adding an objective is one class here and one entry in :data:`OBJECTIVES`.
+"""Training objectives: what a data file must hold, what rows a run trains on, what its loss of one row
+is, and what the step's loss is normalised by. Adding an objective is one class here and one entry in
+:data:`OBJECTIVES`.
 
 Losses are sums over this rank's part of a row divided by the step's global :meth:`Objective.denominator`
 (tokens for SFT, samples for DPO, over every row of the step on every data-parallel rank), so the
 gradients summed over the world are the update one process would compute.
 
     objective = OBJECTIVES[cfg.data.objective](cfg)
+    objective.validate(cfg.data.path, tokenizer)        # before training: file:line of the first bad record
     for row in objective.rows(tokenizer): ...
     loss = objective.loss(model, batch, layout) / objective.denominator(rows)
 """
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 
 from fm_parallel.logprobs import response_sums, token_logps
 from fm_parallel.trainer.config import Config
-from fm_parallel.trainer.data import Row, dpo_rows, sft_rows
+from fm_parallel.trainer.data import DPO_FIELDS, SFT_FIELDS, Row, check_dpo_sample, dpo_rows, sft_rows, validate_jsonl
 from fm_parallel.trainer.model import hidden_states
 from fm_parallel.trainer.tiling import tiled_map, tiled_sum
 
@@ -35,9 +37,25 @@ class Objective:
     """One training objective. ``cfg``: the run's Config."""
 
     name = ""
+    # The string fields every record of a JSONL data file holds for this objective (``data.path``).
+    FIELDS: tuple[str, ...] = ()
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+
+    def validate(self, path: str, tokenizer=None, stop=None) -> int:
+        """One pass over the JSONL file ``path`` before training; the number of records (-1 when
+        ``stop()`` ended the pass early). Every line is checked by
+        :func:`~fm_parallel.trainer.data.validate_jsonl` (UTF-8, JSON, an object with :attr:`FIELDS`
+        as strings) and, given the run's ``tokenizer``, by :meth:`check_record`; the first bad one
+        raises :class:`~fm_parallel.trainer.data.DataError` naming ``file:line``."""
+        check = None if tokenizer is None else (lambda line, record: self.check_record(path, line, record, tokenizer))
+        return validate_jsonl(path, self.FIELDS, check, stop)
+
+    def check_record(self, path: str, line: int, record: dict, tokenizer) -> None:
+        """Raise :class:`~fm_parallel.trainer.data.DataError` naming ``path:line`` when ``record`` (its
+        fields present) cannot be trained on; here, before the run, rather than at the step that reads
+        it. By default every record can."""
 
     def rows(self, tokenizer):
         """The endless, deterministic stream of packed :class:`Row` s (the same on every rank)."""
@@ -65,6 +83,7 @@ class SFT(Objective):
     """Next-token cross-entropy on packed documents, summed over the scored tokens."""
 
     name = "sft"
+    FIELDS = SFT_FIELDS
 
     def rows(self, tokenizer):
         return sft_rows(self.cfg.data.seq_len, tokenizer, self.cfg.data.path, self.cfg.data.max_doc_tokens)
@@ -86,10 +105,15 @@ class DPO(Objective):
     reference model is the base with the adapter disabled. Summed over samples."""
 
     name = "dpo"
+    FIELDS = DPO_FIELDS
 
     def rows(self, tokenizer):
         d = self.cfg.data
         return dpo_rows(d.seq_len, tokenizer, d.path, d.dpo_layout)
+
+    def check_record(self, path, line, record, tokenizer):
+        # A sample is never cut (its responses would lose their ends), so one longer than a row is refused.
+        check_dpo_sample(path, line, tokenizer, record, self.cfg.data.seq_len, self.cfg.data.dpo_layout)
 
     def denominator(self, rows):
         return max(sum(int(r.sample.max()) + 1 for r in rows), 1)

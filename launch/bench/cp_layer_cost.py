@@ -52,15 +52,19 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from launch.bench.ranks import DTYPES  # noqa: E402
-from launch.bench.repeats import spread  # noqa: E402
+from launch.bench.harness import DTYPES, spread  # noqa: E402
+
+if TYPE_CHECKING:
+    from fm_parallel.masks import FlashMask
 
 
 def top_host(fn, calls: int, lines: int = 14, sort: str | tuple[str, ...] = "cumulative") -> str:
@@ -442,7 +446,8 @@ def write_results(args, gpu: str, impl: str, rows: list[dict]) -> None:
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``: default ``sys.argv[1:]``); the defaults are the documented H200 run."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--ns", type=int, nargs="+", default=[131072, 262144, 524288, 1048576])
@@ -476,11 +481,243 @@ def main() -> None:
                              "what the recorded launches save")
     parser.add_argument("--max-seconds", type=float, default=480.0, help="stop starting new configurations after this")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
-    from fm_parallel import backends
+
+@dataclass
+class Case:
+    """One mask family at one N on the GPU: the inputs every (P, balance) of it is measured on, and the
+    single-GPU layer they are compared with. ``mask_cpu``: where the loader builds it (the ranks'
+    prepared masks read their column masks from it, as the trainer's do)."""
+
+    name: str
+    n: int
+    mask_cpu: FlashMask
+    mask: FlashMask
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    pairs: int  # visible (query, key) pairs
+    flops: float  # effective forward + backward FLOPs (3.5 x the forward's)
+    one: float  # single-GPU device ms of the whole sequence's forward + backward
+
+
+def make_case(args, name: str, mask_cpu, n: int, device, dtype, impl: str) -> Case:
+    """The family's inputs (seeded: the same on every run) and its single-GPU layer time."""
+    mask = mask_cpu.to(device)
+    torch.manual_seed(0)
+    q = torch.randn(1, args.heads, n, args.head_dim, device=device, dtype=dtype)
+    k = torch.randn(1, args.kv_heads, n, args.head_dim, device=device, dtype=dtype)
+    v = torch.randn(1, args.kv_heads, n, args.head_dim, device=device, dtype=dtype)
+    dout = torch.randn_like(q)
+    pairs = int(mask_cpu.visible_pairs().sum())
+    flops = 4 * args.heads * args.head_dim * pairs * 3.5
+    one = single_gpu_ms(mask, q, k, v, dout, impl, reps=3)
+    return Case(name, n, mask_cpu, mask, q, k, v, dout, pairs, flops, one)
+
+
+# ------------------------------------------------------------------------------------ measuring
+def per_step_ms(steps: dict, table, r: int, p: int, layers: int) -> dict:
+    """Rank ``r``'s kernel ms per ring step (index = step, 0 = its own chunk; 0.0 where it sees none of
+    that step's keys), averaged over ``layers``, from the timer's per-call events ``steps[kind]``, which
+    list each layer's launches in step order."""
+    per_step = {}
+    for kind in ("fwd", "bwd"):
+        seen = [s for s in range(p) if table[r, (r - s) % p] > 0]
+        vals = steps[kind]
+        per_layer = len(seen)
+        avg = [sum(vals[i::per_layer]) / layers for i in range(per_layer)] if per_layer else []
+        full = [0.0] * p
+        for s, ms in zip(seen, avg):
+            full[s] = ms
+        per_step[kind] = full
+    return per_step
+
+
+def host_timings(args, case: Case, plan, r: int, impl: str, device, layer, timer, device_total_ms: float) -> dict:
+    """Rank ``r``'s host side: host ms of a layer launched behind a busy GPU (``device_total_ms``: its
+    measured device time, which sizes the sleep), the per-call preparation against the prepared mask
+    (wall ms), and with ``--graphs`` the captured layers; in that order, the keys as the JSON has them."""
+    out = {}
+    timer.record = False  # training records no events: time the launches alone (since 2026-12-04)
+    out["host_ms"], out["host_syncs"], out["host_ms_spread"] = host_ms(layer, max(args.layers, 6),
+                                                                       sleep_ms=max(50.0, 4 * device_total_ms))
+    timer.record = True
+    if args.cprofile:
+        out["host_top"] = top_host(layer, args.layers, lines=30, sort=("tottime", "cumulative"))
+        print(out["host_top"])
+    before, _ = rank_layer(args, case.mask, plan, r, case.q, case.k, case.v, case.dout, impl, True, False, device,
+                           case.mask_cpu)
+    before()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.layers):
+        before()
+    torch.cuda.synchronize()
+    out["per_call_wall_ms"] = 1e3 * (time.perf_counter() - t0) / args.layers
+    t0 = time.perf_counter()
+    for _ in range(args.layers):
+        layer()
+    torch.cuda.synchronize()
+    out["prepared_wall_ms"] = 1e3 * (time.perf_counter() - t0) / args.layers
+    if args.graphs:
+        out["graphed"] = graphed_cost(args, case.mask, plan, r, case.q, case.k, case.v, case.dout, impl, device,
+                                      case.mask_cpu, device_total_ms)
+    return out
+
+
+def measure_rank(args, case: Case, plan, table, r: int, impl: str, device, per_key: int) -> tuple[dict, list[int]]:
+    """Rank ``r``'s layer on this GPU: its kernel ms per ring step, device ms, and for the first
+    ``--host-ranks`` ranks its host side (:func:`host_timings`); and the bytes it receives per step
+    (the key window it sees, K and V; what post_kv sends), from its prepared mask."""
+    p = plan.world_size
+    layer, timer = rank_layer(args, case.mask, plan, r, case.q, case.k, case.v, case.dout, impl, False, True, device,
+                              case.mask_cpu)
+    layer()  # warm-up: prepares, builds plans (and compiles)
+    timer.step_ms()
+    host_ahead = queued(layer, args.layers, forget=timer.events.clear)
+    steps = timer.step_ms()
+    if not host_ahead:
+        print(f"warning: rank {r}'s layers caught the GPU up; its step times include host launches")
+    entry = {"rank": r, "step_ms": per_step_ms(steps, table, r, p, args.layers), "steps_host_ahead": host_ahead,
+             "device_ms": profile_ms(layer, args.layers)}
+    if r < args.host_ranks:
+        entry.update(host_timings(args, case, plan, r, impl, device, layer, timer, entry["device_ms"]["total"]))
+    windows = [layer.state["prepared"].key_window((r - s) % p) for s in range(p)]
+    bytes_in = [0] + [per_key * (windows[s][1] - windows[s][0]) if table[r, (r - s) % p] > 0 else 0 for s in range(1, p)]
+    return entry, bytes_in
+
+
+def decoder_share(args, rest_costs: dict, n: int, p: int, pred_device: float, host: float, device, dtype) -> dict:
+    """``--decoder-rest``: the rest of the decoder layer at ``n / p`` tokens (timed once per token count,
+    kept in ``rest_costs``) and the CP attention's host ms against the whole layer's device ms."""
+    tokens = min(n // p, args.rest_max_tokens)
+    if tokens not in rest_costs:
+        rest_costs[tokens] = decoder_rest_cost(tokens, args, device, dtype)
+    rest = rest_costs[tokens]
+    rest_device = rest["device_ms"] * (n // p) / tokens  # its GEMMs: linear in tokens
+    layer_device = pred_device + rest_device
+    return {"rest": rest, "rest_device_ms": rest_device, "layer_device_ms": layer_device,
+            # the CP attention's host time against the whole decoder layer's device time
+            "cp_host_share": host / layer_device,
+            "layer_host_ms": host + rest["host_ms"]}
+
+
+def model_graphed(args, graphed: dict, per_rank: list[dict], bytes_in, device_ms: list[float], serial: list[float],
+                  flops: float, p: int, tf_one: float, decoder: dict | None) -> None:
+    """Rank 0's graphed layer into the scaling model, in place: its device ms (the copies in and out
+    are device work the eager layer does not do), the predicted layer and ratio, and its share of the
+    decoder layer."""
+    graphed["device_ms"] = device_ms[0] + graphed["extra_device_ms"]
+    graphed["host_over_device"] = graphed["host_ms"] / graphed["device_ms"]
+    # every rank pays copies like rank 0's (measured on rank 0 only)
+    serial_g = [x + graphed["extra_device_ms"] for x in serial]
+    graphed["predicted_device_ms"] = predict([e["step_ms"] for e in per_rank], bytes_in, serial_g, args.link_gbs)
+    graphed["predicted_layer_ms"] = max(graphed["predicted_device_ms"], graphed["host_ms"])
+    graphed["ratio"] = flops / p / (graphed["predicted_layer_ms"] * 1e-3) / 1e12 / tf_one
+    if decoder is not None:
+        decoder["cp_host_share_graphed"] = graphed["host_ms"] / (graphed["predicted_device_ms"] + decoder["rest_device_ms"])
+
+
+def measure_configuration(args, case: Case, p: int, balance: str, impl: str, device, dtype, rest_costs: dict) -> dict:
+    """One (mask, N, P, balance): every rank's layer measured on this GPU, then the scaling model's row."""
     from fm_parallel.distributed import shard
     from fm_parallel.distributed.sharding import pair_counts
+
+    from fm_parallel.kernels import fa4_launch
+
+    plan = shard(case.mask_cpu, p, balance)
+    table = pair_counts(case.mask_cpu, plan.positions)
+    per_key = 2 * args.kv_heads * args.head_dim * case.q.element_size()  # one key's K and V rows
+    chunk_bytes = per_key * (case.n // p)
+    per_rank, bytes_in = [], []
+    for r in range(p):
+        entry, received = measure_rank(args, case, plan, table, r, impl, device, per_key)
+        per_rank.append(entry)
+        bytes_in.append(received)
+    kernel = [sum(e["step_ms"]["fwd"]) + sum(e["step_ms"]["bwd"]) for e in per_rank]
+    device_ms = [e["device_ms"]["total"] - e["device_ms"]["copy"] for e in per_rank]  # without stand-ins
+    serial = [max(0.0, d - kk) for d, kk in zip(device_ms, kernel)]
+    pred_device = predict([e["step_ms"] for e in per_rank], bytes_in, serial, args.link_gbs)
+    host = per_rank[0].get("host_ms", float("nan"))
+    # A layer whose launches take longer than its device work is host-bound: the GPU waits.
+    pred_total = max(pred_device, host) if host == host else pred_device
+    tf_gpu = case.flops / p / (pred_total * 1e-3) / 1e12
+    tf_one = case.flops / (case.one * 1e-3) / 1e12
+    decoder = decoder_share(args, rest_costs, case.n, p, pred_device, host, device, dtype) if args.decoder_rest else None
+    graphed = per_rank[0].get("graphed")
+    if graphed is not None:
+        model_graphed(args, graphed, per_rank, bytes_in, device_ms, serial, case.flops, p, tf_one, decoder)
+    return {"mask": case.name, "n": case.n, "p": p, "balance": balance, "kernel": impl,
+            "visible_pairs": case.pairs, "ranks": per_rank, "kernel_ms_per_rank": kernel,
+            "device_ms_per_rank": device_ms, "chunk_bytes": chunk_bytes, "bytes_in": bytes_in,
+            "transfers_per_rank": [sum(1 for b in bi if b) for bi in bytes_in],
+            "predicted_layer_ms": pred_total, "predicted_device_ms": pred_device, "single_gpu_ms": case.one,
+            "predicted_tf_per_gpu": tf_gpu, "single_gpu_tf": tf_one, "ratio": tf_gpu / tf_one,
+            "host_over_kernel_rank0": host / device_ms[0] if device_ms[0] else None, "decoder": decoder,
+            "fa4_launch": dict(fa4_launch.counters, enabled=fa4_launch.ENABLED)}
+
+
+def measure_all(args, device, dtype, impl: str, gpu: str) -> list[dict]:
+    """Every (N, mask, P, balance) of the command line in order, until ``--max-seconds``; the results
+    are written after every row, so a call cut short keeps what it measured."""
+    began = time.perf_counter()
+    rows = []
+    rest_costs: dict[int, dict] = {}  # --decoder-rest, by timed token count
+    for n in args.ns:
+        families = build_masks(n)
+        for mask_name in args.masks:
+            if time.perf_counter() - began > args.max_seconds:
+                print(f"stopping: --max-seconds {args.max_seconds:g} reached before {mask_name} at N={n}")
+                break
+            if mask_name in ("dpo", "causal") and n > args.quadratic_max_n:
+                continue
+            case = make_case(args, mask_name, families[mask_name], n, device, dtype, impl)
+            for p in args.ps:
+                for balance in args.balances:
+                    if n % (2 * p if balance == "zigzag" else p):
+                        continue
+                    rows.append(measure_configuration(args, case, p, balance, impl, device, dtype, rest_costs))
+                    write_results(args, gpu, impl, rows)
+                    print_row(rows[-1])
+            del case  # the family's tensors, before the next family's are made
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------------- reporting
+def print_header(args, gpu: str, impl: str) -> None:
+    """The run's settings and the table's column names (one line per configuration follows)."""
+    print(f"{gpu}: kernel={impl} H={args.heads}/{args.kv_heads} D={args.head_dim} {args.dtype}, link {args.link_gbs:g} GB/s (assumed)")
+    print(f"{'mask':14s} {'N':>8s} {'P':>2s} {'balance':10s} {'kernel/rank ms':>15s} {'host ms':>8s} {'host/kernel':>11s} "
+          f"{'per-call ms':>11s} {'pred ms':>8s} {'1-GPU ms':>9s} {'TF/GPU':>7s} {'1-GPU TF':>8s} {'ratio':>6s}")
+
+
+def print_row(row: dict) -> None:
+    """One configuration's line of the table (and its decoder-layer and graphed lines where measured)."""
+    rank0 = row["ranks"][0]
+    print(f"{row['mask']:14s} {row['n']:8d} {row['p']:2d} {row['balance']:10s} {max(row['device_ms_per_rank']):15.2f} "
+          f"{rank0.get('host_ms', float('nan')):8.2f} {row['host_over_kernel_rank0']:11.1%} "
+          f"{rank0.get('per_call_wall_ms', float('nan')):11.2f} {row['predicted_layer_ms']:8.2f} {row['single_gpu_ms']:9.2f} "
+          f"{row['predicted_tf_per_gpu']:7.0f} {row['single_gpu_tf']:8.0f} {row['ratio']:6.2f}", flush=True)
+    decoder = row["decoder"]
+    if decoder is not None:
+        print(f"{'  decoder layer':14s} rest of the layer {decoder['rest_device_ms']:.2f} ms device "
+              f"({decoder['rest']['tokens']} tokens timed), CP host {decoder['cp_host_share']:.1%} of the "
+              f"layer's device time" + (f", graphed {decoder['cp_host_share_graphed']:.1%}"
+                                        if "cp_host_share_graphed" in decoder else ""), flush=True)
+    graphed = rank0.get("graphed")
+    if graphed is not None:
+        print(f"{'  graphed':14s} {'':8s} {'':2s} {'':10s} {graphed['device_ms']:15.2f} {graphed['host_ms']:8.2f} "
+              f"{graphed['host_over_device']:11.1%} {'':11s} {graphed['predicted_layer_ms']:8.2f} {'':9s} "
+              f"{'':7s} {'':8s} {graphed['ratio']:6.2f}  {graphed['counters']}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse, refuse a non-CUDA device, measure every configuration (:func:`measure_all`), report."""
+    args = parse_args(argv)
+    from fm_parallel import backends
 
     from fm_parallel.kernels import fa4_launch
 
@@ -491,148 +728,8 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     impl = backends.resolve(args.impl, device, dtype, args.head_dim, chunked=True)
     gpu = torch.cuda.get_device_name(device)
-    began = time.perf_counter()
-    rows = []
-    rest_costs: dict[int, dict] = {}  # --decoder-rest, by timed token count
-    print(f"{gpu}: kernel={impl} H={args.heads}/{args.kv_heads} D={args.head_dim} {args.dtype}, link {args.link_gbs:g} GB/s (assumed)")
-    header = (f"{'mask':14s} {'N':>8s} {'P':>2s} {'balance':10s} {'kernel/rank ms':>15s} {'host ms':>8s} {'host/kernel':>11s} "
-              f"{'per-call ms':>11s} {'pred ms':>8s} {'1-GPU ms':>9s} {'TF/GPU':>7s} {'1-GPU TF':>8s} {'ratio':>6s}")
-    print(header)
-    for n in args.ns:
-        families = build_masks(n)
-        for mask_name in args.masks:
-            if time.perf_counter() - began > args.max_seconds:
-                print(f"stopping: --max-seconds {args.max_seconds:g} reached before {mask_name} at N={n}")
-                break
-            if mask_name in ("dpo", "causal") and n > args.quadratic_max_n:
-                continue
-            mask_cpu = families[mask_name]
-            mask = mask_cpu.to(device)
-            torch.manual_seed(0)
-            q = torch.randn(1, args.heads, n, args.head_dim, device=device, dtype=dtype)
-            k = torch.randn(1, args.kv_heads, n, args.head_dim, device=device, dtype=dtype)
-            v = torch.randn(1, args.kv_heads, n, args.head_dim, device=device, dtype=dtype)
-            dout = torch.randn_like(q)
-            pairs = int(mask_cpu.visible_pairs().sum())
-            flops = 4 * args.heads * args.head_dim * pairs * 3.5
-            one = single_gpu_ms(mask, q, k, v, dout, impl, reps=3)
-            for p in args.ps:
-                for balance in args.balances:
-                    if n % (2 * p if balance == "zigzag" else p):
-                        continue
-                    plan = shard(mask_cpu, p, balance)
-                    table = pair_counts(mask_cpu, plan.positions)
-                    per_key = 2 * args.kv_heads * args.head_dim * q.element_size()  # one key's K and V rows
-                    chunk_bytes = per_key * (n // p)
-                    per_rank, bytes_in = [], []
-                    for r in range(p):
-                        layer, timer = rank_layer(args, mask, plan, r, q, k, v, dout, impl, False, True, device, mask_cpu)
-                        layer()  # warm-up: prepares, builds plans (and compiles)
-                        timer.step_ms()
-                        host_ahead = queued(layer, args.layers, forget=timer.events.clear)
-                        steps = timer.step_ms()
-                        if not host_ahead:
-                            print(f"warning: rank {r}'s layers caught the GPU up; its step times include host launches")
-                        # Kernel ms per step, averaged over layers: index by source step order.
-                        per_step = {}
-                        for kind in ("fwd", "bwd"):
-                            seen = [s for s in range(p) if table[r, (r - s) % p] > 0]
-                            vals = steps[kind]
-                            per_layer = len(seen)
-                            avg = [sum(vals[i::per_layer]) / args.layers for i in range(per_layer)] if per_layer else []
-                            full = [0.0] * p
-                            for s, ms in zip(seen, avg):
-                                full[s] = ms
-                            per_step[kind] = full
-                        entry = {"rank": r, "step_ms": per_step, "steps_host_ahead": host_ahead,
-                                 "device_ms": profile_ms(layer, args.layers)}
-                        if r < args.host_ranks:
-                            timer.record = False  # training records no events: time the launches alone (since 2026-12-04)
-                            entry["host_ms"], entry["host_syncs"], entry["host_ms_spread"] = host_ms(layer, max(args.layers, 6),
-                                                                            sleep_ms=max(50.0, 4 * entry["device_ms"]["total"]))
-                            timer.record = True
-                            if args.cprofile:
-                                entry["host_top"] = top_host(layer, args.layers, lines=30, sort=("tottime", "cumulative"))
-                                print(entry["host_top"])
-                            before, _ = rank_layer(args, mask, plan, r, q, k, v, dout, impl, True, False, device, mask_cpu)
-                            before()
-                            torch.cuda.synchronize()
-                            t0 = time.perf_counter()
-                            for _ in range(args.layers):
-                                before()
-                            torch.cuda.synchronize()
-                            entry["per_call_wall_ms"] = 1e3 * (time.perf_counter() - t0) / args.layers
-                            t0 = time.perf_counter()
-                            for _ in range(args.layers):
-                                layer()
-                            torch.cuda.synchronize()
-                            entry["prepared_wall_ms"] = 1e3 * (time.perf_counter() - t0) / args.layers
-                            if args.graphs:
-                                entry["graphed"] = graphed_cost(args, mask, plan, r, q, k, v, dout, impl, device, mask_cpu,
-                                                                entry["device_ms"]["total"])
-                        per_rank.append(entry)
-                        # the key window each step receives (K and V; what post_kv sends), from the rank's prepared mask
-                        windows = [layer.state["prepared"].key_window((r - s) % p) for s in range(p)]
-                        bytes_in.append([0] + [per_key * (windows[s][1] - windows[s][0]) if table[r, (r - s) % p] > 0 else 0
-                                               for s in range(1, p)])
-                    kernel = [sum(e["step_ms"]["fwd"]) + sum(e["step_ms"]["bwd"]) for e in per_rank]
-                    device_ms = [e["device_ms"]["total"] - e["device_ms"]["copy"] for e in per_rank]  # without stand-ins
-                    serial = [max(0.0, d - kk) for d, kk in zip(device_ms, kernel)]
-                    pred_device = predict([e["step_ms"] for e in per_rank], bytes_in, serial, args.link_gbs)
-                    host = per_rank[0].get("host_ms", float("nan"))
-                    # A layer whose launches take longer than its device work is host-bound: the GPU waits.
-                    pred_total = max(pred_device, host) if host == host else pred_device
-                    tf_gpu = flops / p / (pred_total * 1e-3) / 1e12
-                    tf_one = flops / (one * 1e-3) / 1e12
-                    decoder = None
-                    if args.decoder_rest:
-                        tokens = min(n // p, args.rest_max_tokens)
-                        if tokens not in rest_costs:
-                            rest_costs[tokens] = decoder_rest_cost(tokens, args, device, dtype)
-                        rest = rest_costs[tokens]
-                        rest_device = rest["device_ms"] * (n // p) / tokens  # its GEMMs: linear in tokens
-                        layer_device = pred_device + rest_device
-                        decoder = {"rest": rest, "rest_device_ms": rest_device, "layer_device_ms": layer_device,
-                                   # the CP attention's host time against the whole decoder layer's device time
-                                   "cp_host_share": host / layer_device,
-                                   "layer_host_ms": host + rest["host_ms"]}
-                    graphed = per_rank[0].get("graphed")
-                    if graphed is not None:  # the copies in and out are device work the eager layer does not do
-                        graphed["device_ms"] = device_ms[0] + graphed["extra_device_ms"]
-                        graphed["host_over_device"] = graphed["host_ms"] / graphed["device_ms"]
-                        # every rank pays copies like rank 0's (measured on rank 0 only)
-                        serial_g = [x + graphed["extra_device_ms"] for x in serial]
-                        graphed["predicted_device_ms"] = predict([e["step_ms"] for e in per_rank], bytes_in, serial_g,
-                                                                 args.link_gbs)
-                        graphed["predicted_layer_ms"] = max(graphed["predicted_device_ms"], graphed["host_ms"])
-                        graphed["ratio"] = flops / p / (graphed["predicted_layer_ms"] * 1e-3) / 1e12 / tf_one
-                        if decoder is not None:
-                            decoder["cp_host_share_graphed"] = graphed["host_ms"] / (
-                                graphed["predicted_device_ms"] + decoder["rest_device_ms"])
-                    row = {"mask": mask_name, "n": n, "p": p, "balance": balance, "kernel": impl,
-                           "visible_pairs": pairs, "ranks": per_rank, "kernel_ms_per_rank": kernel,
-                           "device_ms_per_rank": device_ms, "chunk_bytes": chunk_bytes, "bytes_in": bytes_in,
-                           "transfers_per_rank": [sum(1 for b in bi if b) for bi in bytes_in],
-                           "predicted_layer_ms": pred_total, "predicted_device_ms": pred_device, "single_gpu_ms": one,
-                           "predicted_tf_per_gpu": tf_gpu, "single_gpu_tf": tf_one, "ratio": tf_gpu / tf_one,
-                           "host_over_kernel_rank0": host / device_ms[0] if device_ms[0] else None, "decoder": decoder,
-                           "fa4_launch": dict(fa4_launch.counters, enabled=fa4_launch.ENABLED)}
-                    rows.append(row)
-                    write_results(args, gpu, impl, rows)  # after every row: a call cut short keeps what it measured
-                    print(f"{mask_name:14s} {n:8d} {p:2d} {balance:10s} {max(device_ms):15.2f} {host:8.2f} "
-                          f"{row['host_over_kernel_rank0']:11.1%} {per_rank[0].get('per_call_wall_ms', float('nan')):11.2f} "
-                          f"{pred_total:8.2f} {one:9.2f} {tf_gpu:7.0f} {tf_one:8.0f} {row['ratio']:6.2f}", flush=True)
-                    if decoder is not None:
-                        print(f"{'  decoder layer':14s} rest of the layer {decoder['rest_device_ms']:.2f} ms device "
-                              f"({decoder['rest']['tokens']} tokens timed), CP host {decoder['cp_host_share']:.1%} of the "
-                              f"layer's device time" + (f", graphed {decoder['cp_host_share_graphed']:.1%}"
-                                                        if "cp_host_share_graphed" in decoder else ""), flush=True)
-                    if graphed is not None:
-                        print(f"{'  graphed':14s} {'':8s} {'':2s} {'':10s} {graphed['device_ms']:15.2f} {graphed['host_ms']:8.2f} "
-                              f"{graphed['host_over_device']:11.1%} {'':11s} {graphed['predicted_layer_ms']:8.2f} {'':9s} "
-                              f"{'':7s} {'':8s} {graphed['ratio']:6.2f}  {graphed['counters']}", flush=True)
-            del q, k, v, dout
-            torch.cuda.empty_cache()
+    print_header(args, gpu, impl)
+    rows = measure_all(args, device, dtype, impl, gpu)
     write_results(args, gpu, impl, rows)
     print(f"wrote {args.out}/cp_scaling_model_*.json and .md")
 

@@ -33,10 +33,8 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "launch" / "bench"))
 
-from launch.bench.repeats import spread  # noqa: E402
-from ranks import DTYPES, init_ranks  # noqa: E402
+from launch.bench.harness import DTYPES, init_ranks, spread  # noqa: E402
 
 
 

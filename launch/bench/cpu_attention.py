@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from launch.bench.repeats import spread  # noqa: E402
+from launch.bench.harness import spread  # noqa: E402
 
 OUT = ROOT / "docs" / "benchmarks"
 IMPLS = ("torch", "sdpa-dense")

@@ -36,7 +36,7 @@ from fm_parallel import flashmask_attention, masks  # noqa: E402
 from fm_parallel.masks.flashmask import FlashMask  # noqa: E402
 from fm_parallel.kernels.triton_flashmask import config_for  # noqa: E402
 from fm_parallel.kernels.plan import build_plans, build_plans_consecutive  # noqa: E402
-from launch.bench.repeats import spread  # noqa: E402
+from launch.bench.harness import spread  # noqa: E402
 
 MASKS = ("causal", "docs", "dpo", "sliding", "prefix", "multi", "window_sinks", "global_window")
 

@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from launch.bench.repeats import spread  # noqa: E402
+from launch.bench.harness import spread  # noqa: E402
 
 from fm_parallel import masks  # noqa: E402
 from fm_parallel.distributed import BALANCE_MODES, pair_table_and_key_windows, row_work, shard  # noqa: E402

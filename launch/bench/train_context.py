@@ -100,7 +100,7 @@ def write(rows: list[dict], longest: int, args) -> None:
                                         f"Longest that trained: **{longest}** tokens.\n\n{md}\n")
     print(md)
 
-    from launch.bench.plots import throughput_vs_length
+    from launch.bench.harness import throughput_vs_length
 
     ran = [(r["n"], r["tokens_per_s"]) for r in rows if r["fits"]]
     failed = [r["n"] for r in rows if not r["fits"]]

@@ -155,7 +155,7 @@ def write(rows: list[dict], args) -> None:
     (args.out / f"{args.name}.md").write_text(f"# Trainer throughput by attention ({device})\n\n`{cmd}`\n\n{md}\n")
     print(md)
 
-    from launch.bench.plots import throughput_vs_length
+    from launch.bench.harness import throughput_vs_length
 
     labels = list(dict.fromkeys(r["attention"] for r in rows))
     series = [(label, [(r["seq_len"], r[rate]) for r in rows if r["attention"] == label and r["fits"]],

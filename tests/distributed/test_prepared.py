@@ -165,13 +165,13 @@ def context_parallel_prepares_once_per_mask(rank, world):
     seen = []
     for _ in range(3):
         ctx.attention(ql, kl, vl, mask)
-        seen.append(ctx._last[1])
+        seen.append(ctx.prepared)
     nxt = masks.document([20, 40, 36])
     ctx.attention(ql, kl, vl, nxt)
-    seen.append(ctx._last[1])
+    seen.append(ctx.prepared)
     nxt.fme.add_(0)  # an in-place edit: the prepared data may be stale
     ctx.attention(ql, kl, vl, nxt)
-    seen.append(ctx._last[1])
+    seen.append(ctx.prepared)
     # Identities taken while every prepared object is still held (a freed object's id can be reused).
     return {"seen": [[a is b for b in seen] for a in seen]}
 
@@ -182,6 +182,24 @@ def test_context_parallel_prepares_once_per_mask_object():
         same = res["seen"]
         assert same[0][1] and same[0][2], same  # one prepared mask for the same object, layer after layer
         assert not same[0][3] and not same[0][4] and not same[3][4], same  # a new object, an in-place edit: new ones
+
+
+def test_a_prepared_mask_knows_the_masks_it_was_made_from():
+    """What ContextParallel asks to reuse a step's prepared mask: the same object as the mask given or
+    its device copy (not an equal mask), each with its bounds unedited since."""
+    from fm_parallel import masks
+    from fm_parallel.distributed import shard
+    from fm_parallel.distributed.prepared import PreparedMask
+    from fm_parallel.masks.flashmask import FlashMask
+
+    host = masks.document([20, 40, 36])
+    plan = shard(host, 2, "zigzag")
+    copy = FlashMask(host.fms.clone(), host.fme.clone(), host.num_rows)  # stands in for the device copy
+    prepared = PreparedMask(copy, plan, 0, torch.device("cpu"), host_mask=host)
+    assert prepared.made_from(host) and prepared.made_from(copy)
+    assert not prepared.made_from(masks.document([20, 40, 36])) and not prepared.made_from(prepared)
+    host.fme.add_(0)  # an in-place edit of the one given: its prepared data may be stale
+    assert not prepared.made_from(host) and prepared.made_from(copy)
 
 
 def test_prepare_refuses_bad_arguments_without_a_process_group():

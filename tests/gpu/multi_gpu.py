@@ -40,7 +40,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from launch.bench.ranks import DTYPES, init_ranks  # noqa: E402
+from launch.bench.harness import DTYPES, init_ranks  # noqa: E402
 
 # Max |distributed - single device| relative to max |single device|: the merge order of partial
 # softmax results differs, so halves agree to their rounding, float64 to ~1e-12.

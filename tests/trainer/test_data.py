@@ -7,7 +7,9 @@ import json
 import pytest
 import torch
 
-from fm_parallel.trainer.data import ByteTokenizer, DataError, dpo_rows, sft_rows, validate_jsonl
+from fm_parallel.trainer.config import load_config
+from fm_parallel.trainer.data import SFT_FIELDS, ByteTokenizer, DataError, dpo_rows, sft_rows, validate_jsonl
+from fm_parallel.trainer.objectives import DPO
 
 TOK = ByteTokenizer()
 
@@ -62,7 +64,8 @@ def test_dpo_samples_are_never_cut(tmp_path):
     with pytest.raises(DataError, match=r"d.jsonl:1: a DPO sample of 137 tokens .* does not fit data.seq_len = 128"):
         next(dpo_rows(128, TOK, path))
     with pytest.raises(DataError, match=r"d.jsonl:1: a DPO sample of 137 tokens"):
-        validate_jsonl(path, "dpo", 128, TOK)
+        # The objective's own record check, before training (the trainer's preflight runs it).
+        DPO(load_config(["--data.objective", "dpo", "--data.seq_len", "128"], environ={})).validate(path, TOK)
 
 
 @pytest.mark.parametrize("content, message", [
@@ -80,14 +83,14 @@ def test_bad_lines_are_named_by_file_and_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(content)
     with pytest.raises(DataError, match=message) as info:
-        validate_jsonl(str(path), "sft")
+        validate_jsonl(str(path), SFT_FIELDS)
     assert str(path) in str(info.value)
 
 
 def test_a_byte_order_mark_on_the_first_line_is_not_data(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"text": "hello"}\n{"text": "world"}\n')  # as some Windows tools write
-    assert validate_jsonl(str(path), "sft") == 2
+    assert validate_jsonl(str(path), SFT_FIELDS) == 2
     row = next(sft_rows(64, TOK, str(path)))
     assert pass_tokens([row]) == [[TOK.bos_id] + list(b"hello"), [TOK.bos_id] + list(b"world")]
 
@@ -97,10 +100,10 @@ def test_validation_reaches_the_last_line_fast(tmp_path):
     lines = [{"text": f"record {i}"} for i in range(20000)] + ["{broken"]
     path = write(tmp_path / "big.jsonl", lines)
     with pytest.raises(DataError, match=r"big.jsonl:20001:"):
-        validate_jsonl(path, "sft")
-    assert validate_jsonl(write(tmp_path / "ok.jsonl", lines[:-1]), "sft") == 20000
+        validate_jsonl(path, SFT_FIELDS)
+    assert validate_jsonl(write(tmp_path / "ok.jsonl", lines[:-1]), SFT_FIELDS) == 20000
     with pytest.raises(DataError, match="data.path: expected an existing JSONL file"):
-        validate_jsonl(str(tmp_path / "missing.jsonl"), "sft")
+        validate_jsonl(str(tmp_path / "missing.jsonl"), SFT_FIELDS)
 
 
 def test_builtin_dpo_samples_fit_small_rows():
