@@ -21,7 +21,7 @@ from fm_parallel.logprobs import response_sums, token_logps
 from fm_parallel.trainer.config import Config
 from fm_parallel.trainer.data import DPO_FIELDS, SFT_FIELDS, Row, check_dpo_sample, dpo_rows, sft_rows, validate_jsonl
 from fm_parallel.trainer.model import hidden_states
-from fm_parallel.trainer.tiling import tiled_map, tiled_sum
+from fm_parallel.trainer.tiles import tiled_map, tiled_sum
 
 __all__ = ["Objective", "SFT", "DPO", "OBJECTIVES", "objective", "chunked"]
 
@@ -29,7 +29,7 @@ __all__ = ["Objective", "SFT", "DPO", "OBJECTIVES", "objective", "chunked"]
 def chunked(head, hidden, labels, chunk: int, fn):
     """Sum of ``fn(logits_chunk, labels_chunk)`` over token chunks; each chunk's logits are recomputed
     in the backward instead of kept, so ``[N, vocab]`` logits never exist at once, and ``hidden``'s
-    gradient is written chunk by chunk into one buffer (:func:`~fm_parallel.trainer.tiling.tiled_sum`)."""
+    gradient is written chunk by chunk into one buffer (:func:`~fm_parallel.trainer.tiles.tiled_sum`)."""
     return tiled_sum(lambda h_, y_: fn(head(h_).float(), y_), hidden, chunk, labels, params=head.parameters())
 
 

@@ -14,8 +14,8 @@ and writes each tile's input gradient into one ``N x hidden`` buffer (no ``torch
 full-length zero tensor per tile as slicing under autograd makes: that cost O(N^2 / tile) time).
 
 With FlashMask attention and no context parallelism the attention itself runs per *query chunk*
-(:func:`attention_chunks`: chunks of at most ``attention_chunk`` rows cut where no visibility
-crosses, e.g. between packed documents, each with the window of keys its rows see). Then the full
+(:func:`fm_parallel.masks.chunks.attention_chunks`: chunks of at most ``attention_chunk`` rows cut
+where no visibility crosses, e.g. between packed documents, each with the window of keys its rows see). Then the full
 q, the attention output and its gradient never exist: the backward holds x, its gradient, dy, k, v
 and their gradients, plus one chunk's q / o / do / dq and the kernel's workspace for it. A chunk cut
 between documents is an independent problem (local rows: FA4 runs its varlen kernel on it), and its
@@ -28,295 +28,30 @@ on the H200 went from 213 (untiled) to 105 (tiled per-token parts, whole-sequenc
 figure given there with chunked attention. Exact: float64 losses and LoRA gradients equal to the
 untiled layer's (tests/trainer/test_tiling.py).
 
-Also here: :func:`tiled_map` (a per-token function over tiles, e.g. the final norm) and
-:func:`tiled_sum` (a loss summed over token chunks: full-vocabulary logits never exist at once).
+The tiles' machinery (and :func:`~.tiles.tiled_map` / :func:`~.tiles.tiled_sum` for the final norm and
+the loss) is :mod:`.tiles`.
 """
 
 from __future__ import annotations
 
-import bisect
-import contextlib
 import sys
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from fm_parallel import backends
+from fm_parallel.masks.chunks import AttentionChunk, attention_chunks
 from fm_parallel.masks.flashmask import FlashMask
 from fm_parallel.trainer.memory import decoder_layers
+from fm_parallel.trainer.tiles import (AutocastState, TileGrads, detached_leaf, per_tile, tile_ranges, tiled_map,
+                                       trainable_parameters)
 
-__all__ = ["tile_decoder_layers", "tiled_map", "tiled_sum", "attention_chunks", "AttentionChunk", "TiledLayer"]
+__all__ = ["tile_decoder_layers", "TiledLayer"]
 
 _NEEDED = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
 _ATTENTION_NEEDED = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
 
 
-# ---------------------------------------------------------------------------------------- helpers
-def _tiles(r0: int, r1: int, tile: int):
-    for a in range(r0, r1, tile):
-        yield a, min(a + tile, r1)
-
-
-def _trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in module.parameters() if p.requires_grad]
-
-
-class _Autocast:
-    """The autocast state of the forward, re-entered for the backward's recomputation (as
-    ``torch.utils.checkpoint`` does): the recomputed tiles must round like the forward's."""
-
-    def __init__(self, device: torch.device):
-        self.kind = device.type
-        try:
-            self.enabled = torch.is_autocast_enabled(self.kind)
-            self.dtype = torch.get_autocast_dtype(self.kind)
-        except (RuntimeError, TypeError):  # a device type autocast does not know
-            self.enabled, self.dtype = False, None
-
-    def __call__(self):
-        if not self.enabled:
-            return contextlib.nullcontext()
-        return torch.autocast(self.kind, dtype=self.dtype)
-
-
-class _Grads:
-    """Gradients of a tile's recomputed outputs, accumulated for the inputs of the whole sequence:
-    the tile's input gradient is written (or added) into a full buffer, the parameters' summed."""
-
-    def __init__(self, params: list[torch.nn.Parameter]):
-        self.params, self.sums = params, [None] * len(params)
-
-    def __call__(self, outputs, grad_outputs, leaves: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """``torch.autograd.grad`` of ``outputs`` for the ``leaves`` (tiles made with
-        ``detach().requires_grad_()``) and the parameters; returns the leaves' gradients."""
-        wanted = [t for t in leaves if t.requires_grad]
-        if not wanted and not self.params:
-            return [None] * len(leaves)
-        got = torch.autograd.grad(outputs, [*wanted, *self.params], grad_outputs, allow_unused=True)
-        for i, g in enumerate(got[len(wanted):]):
-            if g is not None:
-                self.sums[i] = g if self.sums[i] is None else self.sums[i].add_(g)
-        it = iter(got[: len(wanted)])
-        return [next(it) if t.requires_grad else None for t in leaves]
-
-
-def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
-    return t.detach().requires_grad_(grad)
-
-
-# ------------------------------------------------------------------------------- per-token maps
-class _TiledMap(torch.autograd.Function):
-    """``fn`` applied tile by tile along dim 1 of ``x`` (and of ``extra``, which gets no gradient);
-    ``params``: the trainable parameters ``fn`` uses, passed again as inputs so autograd asks for
-    their gradients."""
-
-    @staticmethod
-    def forward(ctx, fn, tile, extra, params, x, *param_tensors):
-        ctx.fn, ctx.tile, ctx.extra, ctx.params, ctx.autocast = fn, tile, extra, params, _Autocast(x.device)
-        ctx.save_for_backward(x)
-        n, out = x.shape[1], None
-        for a, b in _tiles(0, n, tile):
-            part = fn(x[:, a:b], *(e[:, a:b] for e in extra))
-            if out is None:
-                out = part.new_empty(part.shape[0], n, *part.shape[2:])
-            out[:, a:b] = part
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        (x,) = ctx.saved_tensors
-        grads = _Grads(ctx.params)
-        dx = torch.empty_like(x) if ctx.needs_input_grad[4] else None
-        for a, b in _tiles(0, x.shape[1], ctx.tile):
-            x_l = _leaf(x[:, a:b], dx is not None)
-            with torch.enable_grad(), ctx.autocast():
-                out = ctx.fn(x_l, *(e[:, a:b] for e in ctx.extra))
-            (gx,) = grads(out, dout[:, a:b], [x_l])
-            if dx is not None:
-                dx[:, a:b] = gx
-        return (None, None, None, None, dx, *grads.sums)
-
-
-def tiled_map(fn: Callable, x: torch.Tensor, tile: int, *extra: torch.Tensor, params=()) -> torch.Tensor:
-    """``fn(x)`` for a per-token ``fn`` (``[B, t, ...] -> [B, t, ...]``), run over tiles of ``tile``
-    tokens and recomputed tile by tile in the backward: what is kept is ``x``, not ``fn``'s
-    intermediates. ``extra``: more per-token inputs sliced alike (no gradient). ``params``: the
-    trainable parameters ``fn`` uses (their gradients are returned through autograd)."""
-    params = [p for p in params if p.requires_grad]
-    if x.shape[1] <= tile:
-        return fn(x, *extra)
-    if not torch.is_grad_enabled() or not (x.requires_grad or params):  # no backward: tiles, nothing kept
-        return _per_tile(lambda a, b: fn(x[:, a:b], *(e[:, a:b] for e in extra)), 0, x.shape[1], tile)
-    return _TiledMap.apply(fn, tile, extra, params, x, *params)
-
-
-class _TiledSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, fn, tile, extra, params, x, *param_tensors):
-        ctx.fn, ctx.tile, ctx.extra, ctx.params, ctx.autocast = fn, tile, extra, params, _Autocast(x.device)
-        ctx.save_for_backward(x)
-        total = None
-        for a, b in _tiles(0, x.shape[1], tile):
-            part = fn(x[:, a:b], *(e[:, a:b] for e in extra))
-            total = part if total is None else total + part
-        return total
-
-    @staticmethod
-    def backward(ctx, dtotal):
-        (x,) = ctx.saved_tensors
-        needs_x = ctx.needs_input_grad[4]
-        grads = _Grads(ctx.params)
-        dx = torch.empty_like(x) if needs_x else None
-        for a, b in _tiles(0, x.shape[1], ctx.tile):
-            x_l = _leaf(x[:, a:b], needs_x)
-            with torch.enable_grad(), ctx.autocast():
-                part = ctx.fn(x_l, *(e[:, a:b] for e in ctx.extra))
-            (gx,) = grads(part, dtotal, [x_l])
-            if dx is not None:
-                dx[:, a:b] = gx
-        return (None, None, None, None, dx, *grads.sums)
-
-
-def tiled_sum(fn: Callable, x: torch.Tensor, tile: int, *extra: torch.Tensor, params=()) -> torch.Tensor:
-    """``sum over tiles of fn(x_tile, *extra_tiles)`` (a scalar per tile, e.g. a summed loss), each
-    tile recomputed in the backward: ``fn``'s intermediates (full-vocabulary logits) exist for one
-    tile at a time, and ``x``'s gradient is written tile by tile into one buffer."""
-    params = [p for p in params if p.requires_grad]
-    if not torch.is_grad_enabled() or not (x.requires_grad or params):
-        total = None
-        for a, b in _tiles(0, x.shape[1], tile):
-            part = fn(x[:, a:b], *(e[:, a:b] for e in extra))
-            total = part if total is None else total + part
-        return total
-    return _TiledSum.apply(fn, tile, extra, params, x, *params)
-
-
-# --------------------------------------------------------------------------- attention chunks
-@dataclass(frozen=True)
-class AttentionChunk:
-    """Query rows ``[r0, r1)`` and the key window ``[k0, k1)`` they see (``k0 == k1``: none).
-    ``mask``: the window's mask; ``local``: rows and keys renumbered from ``r0`` (the chunk is an
-    independent problem: its rows see only its keys and no other row sees them), else the parent's
-    global rows with ``q_offset = r0``. ``positions``: the rows as the kernel reads them."""
-
-    r0: int
-    r1: int
-    k0: int
-    k1: int
-    mask: FlashMask | None
-    local: bool
-    positions: torch.Tensor | None
-
-    @property
-    def q_offset(self) -> int:
-        return 0 if self.local else self.r0
-
-
-def attention_chunks(mask: FlashMask, rows: int) -> tuple[tuple[AttentionChunk, ...], bool]:
-    """The query chunks of at most ``rows`` rows that :class:`TiledLayer` runs attention over, and
-    whether their key windows overlap (keys' gradients then add up over chunks, in float32).
-
-    Chunks end at *cuts* where possible: a row ``b`` such that no row ``>= b`` sees a key ``< b``
-    and no row ``< b`` sees a key ``>= b`` (between packed documents, between DPO samples). A chunk
-    between two cuts is local (an independent attention problem; causal documents stay known, so FA4
-    runs its varlen kernel on it). Where no cut lies within ``rows`` (one long document), the chunk
-    ends at ``rows`` and sees the window of keys its rows see.
-
-    Cached on the mask (``("attention_chunks", rows)``, one device sync to make): every layer of a
-    step uses the same chunks, and each chunk's mask keeps its kernels' plans for the step."""
-    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
-        raise ValueError(f"rows: expected a positive number of query rows per chunk, got {rows!r}")
-    return mask.cached(("attention_chunks", rows), lambda: _make_chunks(mask, rows))
-
-
-def _make_chunks(mask: FlashMask, rows: int) -> tuple[tuple[AttentionChunk, ...], bool]:
-    n = mask.num_keys
-    if mask.num_rows != n or n <= rows:
-        positions = torch.arange(mask.num_rows, dtype=torch.int32, device=mask.device)
-        return (AttentionChunk(0, mask.num_rows, 0, n, mask, False, positions),), False
-    first_row = mask.fms.amin(dim=(0, 1, 3)).long()  # [N]: the first row that sees key j (num_rows: none)
-    last_row = mask.fme.amax(dim=(0, 1, 3)).long()  # [N]: the last (-1: none)
-    b = torch.arange(1, n, device=mask.device)
-    seen_later = torch.cummax(last_row, 0).values[:-1] >= b  # a key < b seen by a row >= b
-    seen_earlier = torch.flip(torch.cummin(torch.flip(first_row, (0,)), 0).values, (0,))[1:] < b  # a key >= b by a row < b
-    cuts = b[~(seen_later | seen_earlier)].tolist() + [n]
-    bounds, r0 = [], 0
-    while r0 < n:
-        i = bisect.bisect_right(cuts, r0 + rows) - 1
-        r1 = cuts[i] if i >= 0 and cuts[i] > r0 else min(r0 + rows, n)
-        bounds.append((r0, r1))
-        r0 = r1
-    cut_set = set(cuts) | {0}
-    windows = []
-    for r0, r1 in bounds:  # the hull of the keys some row of [r0, r1) may see
-        sees = (first_row <= r1 - 1) & (last_row >= r0)
-        idx = torch.arange(n, device=mask.device)
-        windows.append(torch.stack([torch.where(sees, idx, n).min(), torch.where(sees, idx, -1).max() + 1]))
-    windows = torch.stack(windows).tolist()  # one sync for all chunks
-    documents = mask.causal_documents()
-    doc_ends = None if documents is None else [0, *_cumsum(documents)]
-    plain = None if documents is not None else _causal_document_keys(mask)  # padded rows: per chunk
-    chunks = []
-    for (r0, r1), (k0, k1) in zip(bounds, windows):
-        if k1 <= k0:
-            chunks.append(AttentionChunk(r0, r1, 0, 0, None, False, None))
-            continue
-        if r0 in cut_set and r1 in cut_set and r0 <= k0 and k1 <= r1:
-            ends = doc_ends
-            if plain is not None and all(plain[0][r0:r1]):  # this chunk is causal documents (the row's padding is not)
-                ends = [r0, *(j + 1 for j in range(r0, r1) if plain[1][j])]
-            sub = _local_mask(mask, r0, r1, ends)
-            chunks.append(AttentionChunk(r0, r1, r0, r1, sub, True,
-                                         torch.arange(r1 - r0, dtype=torch.int32, device=mask.device)))
-        else:
-            chunks.append(AttentionChunk(r0, r1, k0, k1, mask.select_keys(slice(k0, k1)), False,
-                                         torch.arange(r0, r1, dtype=torch.int32, device=mask.device)))
-    spans = sorted((c.k0, c.k1) for c in chunks if c.k1 > c.k0)
-    overlap = any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:]))
-    return tuple(chunks), overlap
-
-
-def _causal_document_keys(mask: FlashMask):
-    """``(causal, ends)`` host lists over the keys (one sync), or None: ``causal[j]`` when key ``j`` is
-    seen exactly by rows ``j .. e`` with ``e`` the next document end, ``ends[j]`` when ``j`` ends a
-    document (its last row is itself). A chunk of causal keys between cuts is packed causal documents
-    even when the row is padded after them (a padded row's own mask says None)."""
-    if mask.batch != 1 or mask.heads != 1:
-        return None
-    fms, fme = mask.fms[0, 0], mask.fme[0, 0]
-    n = fms.shape[0]
-    cols = torch.arange(n, device=mask.device, dtype=fms.dtype)
-    ends = fme[:, 0] == cols
-    next_end = torch.flip(torch.cummin(torch.flip(torch.where(ends, cols, n), (0,)), 0).values, (0,))
-    causal = (fms[:, 0] == cols) & (fme[:, 0] == next_end)
-    if fms.shape[1] > 1:
-        causal &= (fms[:, 1:] > fme[:, 1:]).all(1)
-    both = torch.stack([causal, ends]).cpu().tolist()
-    return both[0], both[1]
-
-
-def _cumsum(xs):
-    total, out = 0, []
-    for x in xs:
-        total += x
-        out.append(total)
-    return out
-
-
-def _local_mask(mask: FlashMask, r0: int, r1: int, doc_ends) -> FlashMask:
-    """Rows and keys ``[r0, r1)`` of ``mask`` renumbered from 0 (empty intervals canonical)."""
-    n = r1 - r0
-    fms, fme = mask.fms[:, :, r0:r1], mask.fme[:, :, r0:r1]
-    empty = fms > fme
-    sub = FlashMask(torch.where(empty, n, fms - r0), torch.where(empty, -1, fme - r0), n, validate=False)
-    if doc_ends is not None:  # the parent's documents inside the chunk (its ends are document ends)
-        inside = [e - r0 for e in doc_ends if r0 <= e <= r1]
-        sub.set_causal_documents(tuple(b - a for a, b in zip(inside, inside[1:])))
-    return sub
-
-
-# ------------------------------------------------------------------------------ decoder layers
 class _Parts:
     """The per-token parts of one Llama-shaped layer, on tiles ``x [B, t, hidden]``; q / k / v come
     out as ``[B, t, H, D]``."""
@@ -368,7 +103,7 @@ class _Call:
     sin: torch.Tensor
     attention: "_ChunkedAttention | _WholeAttention"
     params: list
-    autocast: _Autocast
+    autocast: AutocastState
 
     def rope(self, a, b):
         return self.cos[:, a:b], self.sin[:, a:b]
@@ -386,13 +121,13 @@ class _ChunkedAttention:
         y = torch.empty_like(x)
         for c in self.chunks:
             o, _, _ = self._attend(call, x, k, v, c)
-            for a, b in _tiles(c.r0, c.r1, call.tile):
+            for a, b in tile_ranges(c.r0, c.r1, call.tile):
                 y[:, a:b] = call.parts.output(x[:, a:b], o[:, a - c.r0 : b - c.r0].flatten(2))
         return y
 
     def _attend(self, call, x, k, v, c: AttentionChunk):
         """``(o [B, n, Hq, Dv], lse, q)`` of chunk ``c`` (no gradient)."""
-        q = _per_tile(lambda a, b: call.parts.query(x[:, a:b], *call.rope(a, b)), c.r0, c.r1, call.tile)
+        q = per_tile(lambda a, b: call.parts.query(x[:, a:b], *call.rope(a, b)), c.r0, c.r1, call.tile)
         if c.mask is None:  # rows that see no key: zero output (as every backend gives them)
             o = q.new_zeros(*q.shape[:3], v.shape[-1])
             return o, None, q
@@ -400,7 +135,7 @@ class _ChunkedAttention:
                                       c.mask, c.positions, self.scale, q_offset=c.q_offset)
         return o.transpose(1, 2), lse, q
 
-    def backward(self, call: _Call, x, dy, grads: _Grads, dx):
+    def backward(self, call: _Call, x, dy, grads: TileGrads, dx):
         k, v = _keys(call, x)
         acc = torch.float32 if self.overlap and k.dtype in (torch.float16, torch.bfloat16) else k.dtype
         dk, dv = torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)
@@ -408,8 +143,8 @@ class _ChunkedAttention:
             o_full, lse, q = self._attend(call, x, k, v, c)
             o = o_full.to(x.dtype) if o_full.dtype != x.dtype else o_full
             do = torch.empty(o.shape, dtype=o.dtype, device=o.device)
-            for a, b in _tiles(c.r0, c.r1, call.tile):  # the output part: dx, do
-                x_l, o_l = _leaf(x[:, a:b], dx is not None), _leaf(o[:, a - c.r0 : b - c.r0].flatten(2), True)
+            for a, b in tile_ranges(c.r0, c.r1, call.tile):  # the output part: dx, do
+                x_l, o_l = detached_leaf(x[:, a:b], dx is not None), detached_leaf(o[:, a - c.r0 : b - c.r0].flatten(2), True)
                 with torch.enable_grad(), call.autocast():
                     y = call.parts.output(x_l, o_l)
                 gx, go = grads(y, dy[:, a:b], [x_l, o_l])
@@ -428,8 +163,8 @@ class _ChunkedAttention:
                 dv[:, c.k0:c.k1] += dv_w.transpose(1, 2)
                 del dk_w, dv_w
             del o_full, lse, do, q
-            for a, b in _tiles(c.r0, c.r1, call.tile):  # the query part
-                x_l = _leaf(x[:, a:b], dx is not None)
+            for a, b in tile_ranges(c.r0, c.r1, call.tile):  # the query part
+                x_l = detached_leaf(x[:, a:b], dx is not None)
                 with torch.enable_grad(), call.autocast():
                     q_t = call.parts.query(x_l, *call.rope(a, b))
                 (gx,) = grads(q_t, dq[:, a - c.r0 : b - c.r0], [x_l])
@@ -460,17 +195,17 @@ class _WholeAttention:
         o = self._run(call, q, k, v)
         del q, k, v
         y = torch.empty_like(x)
-        for a, b in _tiles(0, x.shape[1], call.tile):
+        for a, b in tile_ranges(0, x.shape[1], call.tile):
             y[:, a:b] = call.parts.output(x[:, a:b], o[:, a:b])
         return y
 
-    def backward(self, call: _Call, x, dy, grads: _Grads, dx):
-        q, k, v = (_leaf(t, True) for t in _queries_and_keys(call, x))
+    def backward(self, call: _Call, x, dy, grads: TileGrads, dx):
+        q, k, v = (detached_leaf(t, True) for t in _queries_and_keys(call, x))
         with torch.enable_grad(), call.autocast():
             o = self._run(call, q, k, v)
         do = torch.empty_like(o)
-        for a, b in _tiles(0, x.shape[1], call.tile):
-            x_l, o_l = _leaf(x[:, a:b], dx is not None), _leaf(o[:, a:b], True)
+        for a, b in tile_ranges(0, x.shape[1], call.tile):
+            x_l, o_l = detached_leaf(x[:, a:b], dx is not None), detached_leaf(o[:, a:b], True)
             with torch.enable_grad(), call.autocast():
                 y = call.parts.output(x_l, o_l)
             gx, go = grads(y, dy[:, a:b], [x_l, o_l])
@@ -479,8 +214,8 @@ class _WholeAttention:
             do[:, a:b] = go
         dq, dk, dv = torch.autograd.grad(o, [q, k, v], do)
         del o, do, q, k, v
-        for a, b in _tiles(0, x.shape[1], call.tile):
-            x_l = _leaf(x[:, a:b], dx is not None)
+        for a, b in tile_ranges(0, x.shape[1], call.tile):
+            x_l = detached_leaf(x[:, a:b], dx is not None)
             with torch.enable_grad(), call.autocast():
                 out = call.parts.all(x_l, *call.rope(a, b))
             (gx,) = grads(out, (dq[:, a:b], dk[:, a:b], dv[:, a:b]), [x_l])
@@ -488,33 +223,18 @@ class _WholeAttention:
                 dx[:, a:b] += gx
 
 
-def _per_tile(fn, r0: int, r1: int, tile: int):
-    """``fn(a, b)`` over the tiles of rows ``[r0, r1)``, each output (a tensor or a tuple of them,
-    ``[B, t, ...]``) written into one ``[B, r1 - r0, ...]`` buffer: no concatenation copy."""
-    out = None
-    for a, b in _tiles(r0, r1, tile):
-        part = fn(a, b)
-        single = isinstance(part, torch.Tensor)
-        parts = (part,) if single else part
-        if out is None:
-            out = [p.new_empty(p.shape[0], r1 - r0, *p.shape[2:]) for p in parts]
-        for buf, p in zip(out, parts):
-            buf[:, a - r0 : b - r0] = p
-    return out[0] if single else tuple(out)
-
-
 def _keys(call: _Call, x):
     """k ``[B, N, Hkv, D]`` and v ``[B, N, Hkv, Dv]`` of the whole sequence, tile by tile."""
-    return _per_tile(lambda a, b: call.parts.keys(x[:, a:b], *call.rope(a, b)), 0, x.shape[1], call.tile)
+    return per_tile(lambda a, b: call.parts.keys(x[:, a:b], *call.rope(a, b)), 0, x.shape[1], call.tile)
 
 
 def _queries_and_keys(call: _Call, x):
-    return _per_tile(lambda a, b: call.parts.all(x[:, a:b], *call.rope(a, b)), 0, x.shape[1], call.tile)
+    return per_tile(lambda a, b: call.parts.all(x[:, a:b], *call.rope(a, b)), 0, x.shape[1], call.tile)
 
 
-def _keys_backward(call: _Call, x, dk, dv, grads: _Grads, dx):
-    for a, b in _tiles(0, x.shape[1], call.tile):
-        x_l = _leaf(x[:, a:b], dx is not None)
+def _keys_backward(call: _Call, x, dk, dv, grads: TileGrads, dx):
+    for a, b in tile_ranges(0, x.shape[1], call.tile):
+        x_l = detached_leaf(x[:, a:b], dx is not None)
         with torch.enable_grad(), call.autocast():
             kt, vt = call.parts.keys(x_l, *call.rope(a, b))
         (gx,) = grads((kt, vt), (dk[:, a:b], dv[:, a:b]), [x_l])
@@ -538,7 +258,7 @@ class TiledLayer(torch.autograd.Function):
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         call = ctx.call
-        grads = _Grads(call.params)
+        grads = TileGrads(call.params)
         dx = torch.empty_like(x) if ctx.needs_input_grad[1] else None
         dy = dy.contiguous()
         call.attention.backward(call, x, dy, grads, dx)
@@ -580,7 +300,7 @@ def _tiled_forward(layer, tile: int, attention_chunk: int, original):
 
     def forward(hidden_states, attention_mask=None, position_ids=None, *args, position_embeddings=None, **kwargs):
         cached = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
-        params = _trainable(layer)
+        params = trainable_parameters(layer)
         if (cached or position_embeddings is None or args or not torch.is_grad_enabled()
                 or not (hidden_states.requires_grad or params)):
             return original(hidden_states, attention_mask, position_ids, *args, position_embeddings=position_embeddings, **kwargs)
@@ -600,7 +320,7 @@ def _tiled_forward(layer, tile: int, attention_chunk: int, original):
             attention = _ChunkedAttention(*chunkable, attention_chunk, attn.scaling)
         else:
             attention = _WholeAttention(_attention_function(attn), whole)
-        call = _Call(parts, tile, cos, sin, attention, params, _Autocast(x.device))
+        call = _Call(parts, tile, cos, sin, attention, params, AutocastState(x.device))
         return TiledLayer.apply(call, x, *params)
 
     return forward
@@ -636,5 +356,5 @@ def tile_decoder_layers(model, tile: int, attention_chunk: int = 65536) -> int:
     if isinstance(norm, torch.nn.Module):
         forward = norm.__dict__.get("_fm_untiled_forward", norm.forward)
         norm._fm_untiled_forward = forward
-        norm.forward = lambda x, _f=forward, _n=norm: tiled_map(_f, x, tile, params=_trainable(_n))
+        norm.forward = lambda x, _f=forward, _n=norm: tiled_map(_f, x, tile, params=trainable_parameters(_n))
     return len(layers)

@@ -52,7 +52,7 @@ def _model(tile: int = 0, attention_chunk: int = 65536, layers: int = 3, every: 
 
 def _step(model, mask: FlashMask, batch: int = 1):
     from fm_parallel.trainer.model import hidden
-    from fm_parallel.trainer.tiling import tiled_sum
+    from fm_parallel.trainer.tiles import tiled_sum
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 258, (batch, N), generator=g)
@@ -114,7 +114,7 @@ def test_a_batch_of_two_rows_with_one_mask_each():
 
 
 def test_the_chunks_end_between_documents_and_know_them():
-    from fm_parallel.trainer.tiling import attention_chunks
+    from fm_parallel.masks.chunks import attention_chunks
 
     chunks, overlap = attention_chunks(masks.document([100, 120, 80]), 128)
     assert [(c.r0, c.r1, c.k0, c.k1, c.local) for c in chunks] == [(0, 100, 0, 100, True), (100, 220, 100, 220, True),
@@ -138,7 +138,7 @@ def test_the_chunks_end_between_documents_and_know_them():
 
 @pytest.mark.parametrize("name", list(MASKS))
 def test_each_chunk_window_holds_every_key_its_rows_see(name):
-    from fm_parallel.trainer.tiling import attention_chunks
+    from fm_parallel.masks.chunks import attention_chunks
 
     mask = MASKS[name]()
     dense = mask.to_dense()[0, 0]  # [rows, keys]
