@@ -65,3 +65,19 @@ def assert_matches_reference(fn, q, k, v, mask, positions=None, seed=1):
         base_err = (b.double() - r).abs().max().item()
         floor = FLOOR_ULPS * eps * max(r.abs().max().item(), 1.0) if q.dtype in (torch.float32, torch.float64) else 0.0
         assert err <= 2 * base_err + floor, f"{name}: error {err:.3g} > 2 x plain PyTorch {base_err:.3g} + {floor:.3g}"
+
+
+def tiny_lora_llama(*argv: str, layers: int, dtype: str = "float64"):
+    """The trainer's own model on the CPU: a Llama 32 wide (4 query / 2 KV heads, MLP 64, vocabulary
+    258) with LoRA r4, plus the trainer keys in ``argv``. LoRA's B weights start at zero, which would
+    hide the adapter from a gradient comparison: they are drawn at random (the same within a process)."""
+    from fm_parallel.trainer.config import load_config
+    from fm_parallel.trainer.model import build_model
+
+    base = ["--model.hidden_size", "32", "--model.layers", str(layers), "--model.heads", "4", "--model.kv_heads", "2",
+            "--model.intermediate_size", "64", "--model.dtype", dtype, "--parallel.cp", "none", "--model.lora_rank", "4"]
+    model = build_model(load_config([*base, *argv], environ={}), 258, torch.device("cpu"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(hash(name) % 2**31))
+    return model

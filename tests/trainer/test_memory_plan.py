@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fm_parallel import masks
+from tests.helpers import tiny_lora_llama
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -16,20 +17,10 @@ GIB = 2**30
 
 
 def _model(layers: int, every: int | None, offload: int = 0, dtype: str = "float64"):
-    from fm_parallel.trainer.config import load_config
-    from fm_parallel.trainer.model import build_model
-
-    argv = ["--model.hidden_size", "32", "--model.layers", str(layers), "--model.heads", "4", "--model.kv_heads", "2",
-            "--model.intermediate_size", "64", "--model.dtype", dtype, "--parallel.cp", "none", "--model.lora_rank", "4"]
     if every is None:
-        argv += ["--model.activation_checkpointing", "false"]
-    else:
-        argv += ["--model.checkpoint_every", str(every), "--model.offload_layers", str(offload)]
-    model = build_model(load_config(argv, environ={}), 258, torch.device("cpu"))
-    for name, p in model.named_parameters():  # LoRA B starts at zero: make the adapter matter
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(hash(name) % 2**31))
-    return model
+        return tiny_lora_llama("--model.activation_checkpointing", "false", layers=layers, dtype=dtype)
+    return tiny_lora_llama("--model.checkpoint_every", str(every), "--model.offload_layers", str(offload), layers=layers,
+                           dtype=dtype)
 
 
 def _step(model, n: int = 300):

@@ -11,6 +11,7 @@ import torch
 
 from fm_parallel import masks
 from fm_parallel.masks.flashmask import FlashMask
+from tests.helpers import tiny_lora_llama
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -34,20 +35,11 @@ def float64_norms(monkeypatch):
 
 def _model(tile: int = 0, attention_chunk: int = 65536, layers: int = 3, every: int = 1, offload: int = 0,
            checkpointing: bool = True, dtype: str = "float64"):
-    from fm_parallel.trainer.config import load_config
-    from fm_parallel.trainer.model import build_model
-
-    argv = ["--model.hidden_size", "32", "--model.layers", str(layers), "--model.heads", "4", "--model.kv_heads", "2",
-            "--model.intermediate_size", "64", "--model.dtype", dtype, "--parallel.cp", "none", "--model.lora_rank", "4",
-            "--model.tile_chunk", str(tile), "--model.attention_chunk", str(attention_chunk),
+    argv = ["--model.tile_chunk", str(tile), "--model.attention_chunk", str(attention_chunk),
             "--model.activation_checkpointing", str(checkpointing).lower()]
     if checkpointing:
         argv += ["--model.checkpoint_every", str(every), "--model.offload_layers", str(offload)]
-    model = build_model(load_config(argv, environ={}), 258, torch.device("cpu"))
-    for name, p in model.named_parameters():  # LoRA B starts at zero: make the adapter matter
-        if "lora_B" in name:
-            torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(hash(name) % 2**31))
-    return model
+    return tiny_lora_llama(*argv, layers=layers, dtype=dtype)
 
 
 def _step(model, mask: FlashMask, batch: int = 1):
