@@ -137,12 +137,14 @@ def checkpoint_layers(model, offload_layers: int = 0, every: int = 1) -> Checkpo
         own = getattr(layers[index], "_fm_self_checkpointed", False)
 
         def checkpointed(*args, _forward=forwards[index], **kwargs):
-            if not torch.is_grad_enabled():
-                return _forward(*args, **kwargs)
-            if every == 1 and policy.offloads(index):
+            if not torch.is_grad_enabled() or own:
+                run = _forward
+            else:
+                run = lambda *a, **k: checkpoint(_forward, *a, use_reentrant=False, **k)  # noqa: E731
+            if torch.is_grad_enabled() and every == 1 and policy.offloads(index):
                 with HostOffload(policy):
-                    return _forward(*args, **kwargs) if own else checkpoint(_forward, *args, use_reentrant=False, **kwargs)
-            return _forward(*args, **kwargs) if own else checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+                    return run(*args, **kwargs)
+            return run(*args, **kwargs)
 
         return checkpointed
 
