@@ -60,4 +60,12 @@ def main(argv=None) -> list[float]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        # accelerate made the process group: end it before the interpreter does (a rank torn down with it
+        # still alive aborted once, after training, with "terminate called without an active exception").
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
