@@ -75,10 +75,9 @@ def _make_chunks(mask: FlashMask, rows: int) -> tuple[tuple[AttentionChunk, ...]
         bounds.append((r0, r1))
         r0 = r1
     cut_set = set(cuts) | {0}
-    windows = []
+    windows, idx = [], torch.arange(n, device=mask.device)
     for r0, r1 in bounds:  # the hull of the keys some row of [r0, r1) may see
         sees = (first_row <= r1 - 1) & (last_row >= r0)
-        idx = torch.arange(n, device=mask.device)
         windows.append(torch.stack([torch.where(sees, idx, n).min(), torch.where(sees, idx, -1).max() + 1]))
     windows = torch.stack(windows).tolist()  # one sync for all chunks
     documents = mask.causal_documents()

@@ -74,6 +74,23 @@ def detached_leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
     return t.detach().requires_grad_(grad)
 
 
+def _recompute_tiles(ctx, grad_of_tile):
+    """The backward of :class:`_TiledMap` / :class:`_TiledSum`: each tile of the saved ``x`` recomputed
+    with autograd and differentiated with ``grad_of_tile(a, b)``; its input gradient is written into one
+    buffer, the parameters' summed. Returns the Functions' input gradients."""
+    (x,) = ctx.saved_tensors
+    grads = TileGrads(ctx.params)
+    dx = torch.empty_like(x) if ctx.needs_input_grad[4] else None
+    for a, b in tile_ranges(0, x.shape[1], ctx.tile):
+        x_l = detached_leaf(x[:, a:b], dx is not None)
+        with torch.enable_grad(), ctx.autocast():
+            out = ctx.fn(x_l, *(e[:, a:b] for e in ctx.extra))
+        (gx,) = grads(out, grad_of_tile(a, b), [x_l])
+        if dx is not None:
+            dx[:, a:b] = gx
+    return (None, None, None, None, dx, *grads.sums)
+
+
 class _TiledMap(torch.autograd.Function):
     """``fn`` applied tile by tile along dim 1 of ``x`` (and of ``extra``, which gets no gradient);
     ``params``: the trainable parameters ``fn`` uses, passed again as inputs so autograd asks for
@@ -93,17 +110,7 @@ class _TiledMap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        (x,) = ctx.saved_tensors
-        grads = TileGrads(ctx.params)
-        dx = torch.empty_like(x) if ctx.needs_input_grad[4] else None
-        for a, b in tile_ranges(0, x.shape[1], ctx.tile):
-            x_l = detached_leaf(x[:, a:b], dx is not None)
-            with torch.enable_grad(), ctx.autocast():
-                out = ctx.fn(x_l, *(e[:, a:b] for e in ctx.extra))
-            (gx,) = grads(out, dout[:, a:b], [x_l])
-            if dx is not None:
-                dx[:, a:b] = gx
-        return (None, None, None, None, dx, *grads.sums)
+        return _recompute_tiles(ctx, lambda a, b: dout[:, a:b])
 
 
 def tiled_map(fn: Callable, x: torch.Tensor, tile: int, *extra: torch.Tensor, params=()) -> torch.Tensor:
@@ -132,18 +139,7 @@ class _TiledSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dtotal):
-        (x,) = ctx.saved_tensors
-        needs_x = ctx.needs_input_grad[4]
-        grads = TileGrads(ctx.params)
-        dx = torch.empty_like(x) if needs_x else None
-        for a, b in tile_ranges(0, x.shape[1], ctx.tile):
-            x_l = detached_leaf(x[:, a:b], needs_x)
-            with torch.enable_grad(), ctx.autocast():
-                part = ctx.fn(x_l, *(e[:, a:b] for e in ctx.extra))
-            (gx,) = grads(part, dtotal, [x_l])
-            if dx is not None:
-                dx[:, a:b] = gx
-        return (None, None, None, None, dx, *grads.sums)
+        return _recompute_tiles(ctx, lambda a, b: dtotal)
 
 
 def tiled_sum(fn: Callable, x: torch.Tensor, tile: int, *extra: torch.Tensor, params=()) -> torch.Tensor:
