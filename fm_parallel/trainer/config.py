@@ -67,6 +67,9 @@ class ModelConfig:
                           choices=("flashmask", "sdpa", "flex"))
     tile_chunk: int = _key(0, "run each layer's per-token work over chunks of this many tokens (0: off); a tiled "
                               "layer is its own activation checkpoint (it keeps its input only)", low=0)
+    compile: str = _key("auto", "with tile_chunk: the tiled layers' per-token parts (norms, rotary, MLP gate, LoRA, "
+                                "residuals) fused by torch.compile; auto: on a GPU, off on the CPU (Inductor needs a "
+                                "C++ compiler there)", choices=("auto", "on", "off"))
     memory_plan: str = _key("fixed", "fixed: checkpoint_every and offload_layers as given | auto (GPU): both planned "
                                      "from the model's shape and one layer's memory measured at start, a length that "
                                      "cannot fit refused before the model is built", choices=("fixed", "auto"))
@@ -260,6 +263,9 @@ def _check_relations(cfg: Config) -> None:
             raise ConfigError(f"model.hidden_size: expected a multiple of model.heads = {m.heads}, got {m.hidden_size}")
     if not [t for t in m.lora_targets.split(",") if t.strip()]:
         raise ConfigError(f"model.lora_targets: expected at least one module name, got {m.lora_targets!r}")
+    if m.compile == "on" and not m.tile_chunk:
+        raise ConfigError("model.compile: expected model.tile_chunk > 0 with compile on (it compiles the tiled layers' "
+                          "parts), got tile_chunk 0; set model.tile_chunk (e.g. 16384) or model.compile = 'auto'")
     if p.cuda_graphs and p.cp != "ring":
         raise ConfigError(f"parallel.cuda_graphs: expected parallel.cp ring (Ulysses and hybrid run eagerly), got cp {p.cp}")
     if p.cp != "hybrid" and p.ulysses_degree != 1:

@@ -26,7 +26,7 @@ from fm_parallel.trainer.config import Config, ConfigError, check_before_start, 
 from fm_parallel.trainer.data import DataError
 from fm_parallel.trainer.export import save_base_model
 from fm_parallel.trainer.flops import rows_flops
-from fm_parallel.trainer.model import build_model, build_tokenizer
+from fm_parallel.trainer.model import build_model, build_tokenizer, compiles
 from fm_parallel.trainer.objectives import objective as make_objective
 from fm_parallel.trainer.optimizer import build_optimizer, set_learning_rate, update
 from fm_parallel.trainer.preflight import preflight
@@ -73,6 +73,9 @@ def _train(cfg: Config, stopped) -> dict:
     fresh = rank == 0 and not cfg.output.resume
     model = build_model(cfg, tokenizer.vocab_size, device,
                         save_base=(lambda base: save_base_model(base, out_dir / "base_model")) if fresh else None)
+    if compiles(cfg, device):
+        say(f"model.compile = {cfg.model.compile}: the tiled layers' per-token parts run through torch.compile "
+            "(the first step includes compiling them)")
     params, optim = build_optimizer(model, cfg)
     rows_per_step, objective = lay.dp * cfg.training.grad_accum, make_objective(cfg)
     stream = held.train_stream(objective.rows(tokenizer))

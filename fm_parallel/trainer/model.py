@@ -18,7 +18,7 @@ from fm_parallel.trainer.data import load_tokenizer
 from fm_parallel.trainer.memory import checkpoint_layers
 from fm_parallel.trainer.tiling import tile_decoder_layers
 
-__all__ = ["tokenizer_source", "build_tokenizer", "check_vocabulary", "build_model", "hidden", "hidden_states"]
+__all__ = ["tokenizer_source", "build_tokenizer", "check_vocabulary", "compiles", "build_model", "hidden", "hidden_states"]
 
 
 # What a Hugging Face model folder holds when it carries its own tokenizer (what AutoTokenizer reads).
@@ -72,6 +72,12 @@ def check_vocabulary(cfg: Config, tokenizer) -> None:
                           "folder (or use a model trained with this tokenizer)")
 
 
+def compiles(cfg: Config, device) -> bool:
+    """Whether the tiled layers' per-token parts run through ``torch.compile`` (``model.compile``)."""
+    return bool(cfg.model.tile_chunk) and (cfg.model.compile == "on" or (cfg.model.compile == "auto"
+                                                                         and torch.device(device).type == "cuda"))
+
+
 def build_model(cfg: Config, vocab_size: int, device, save_base=None):
     """The peft LoRA model. ``save_base(base)``: called with a model built from the config (no
     ``model.path``) before LoRA is injected, so the run can save its random base weights once and
@@ -100,9 +106,8 @@ def build_model(cfg: Config, vocab_size: int, device, save_base=None):
     if save_base is not None and not cfg.model.path:
         save_base(base)
     base.config.use_cache = False
-    if cfg.model.tile_chunk:
-        tile_decoder_layers(base, cfg.model.tile_chunk, cfg.model.attention_chunk)  # before checkpoint_layers, which
-        # then leaves the tiled layers (their own checkpoints) unwrapped
+    if cfg.model.tile_chunk:  # before checkpoint_layers, which then leaves the tiled layers (their own checkpoints) unwrapped
+        tile_decoder_layers(base, cfg.model.tile_chunk, cfg.model.attention_chunk, compiled=compiles(cfg, device))
     policy = None
     if cfg.model.activation_checkpointing:  # offload_layers is checked against the model's layer count there
         try:

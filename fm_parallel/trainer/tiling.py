@@ -34,6 +34,7 @@ the loss) is :mod:`.tiles`.
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -54,13 +55,24 @@ _ATTENTION_NEEDED = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scalin
 
 class _Parts:
     """The per-token parts of one Llama-shaped layer, on tiles ``x [B, t, hidden]``; q / k / v come
-    out as ``[B, t, H, D]``."""
+    out as ``[B, t, H, D]``.
 
-    def __init__(self, layer):
+    ``compiled``: the query, key and output parts run through ``torch.compile`` (Inductor fuses the
+    norms, rotary, SiLU gate, residual adds and LoRA's casts and adds, which run as dozens of separate
+    memory-bound kernels otherwise: 45% of a long 8B step's GPU time, docs/long-context.md). One
+    compiled function per part serves every layer (the layer is an argument, its parameters graph
+    inputs), with the tile length dynamic from the start: its graphs are the forward's (no gradient) and
+    the backward's (with or without the input's gradient), whatever the tile, chunk or layer."""
+
+    def __init__(self, layer, compiled: bool = False):
         self.layer = layer
         self.attn = attn = layer.self_attn
         self.rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3-style
+        if compiled:
+            self.query = functools.partial(_compiled("query"), self)
+            self.keys = functools.partial(_compiled("keys"), self)
+            self.output = functools.partial(_compiled("output"), self)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         return t.view(*t.shape[:-1], -1, self.attn.head_dim)
@@ -91,6 +103,15 @@ class _Parts:
         """``o [B, t, Hq * D]`` -> the layer's output tile."""
         h = x + self.attn.o_proj(o)
         return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
+
+
+@functools.cache
+def _compiled(part: str):
+    """``torch.compile`` of the unbound ``_Parts`` method ``part``: made once per process, so its graphs
+    are shared by every layer and every call. Dynamic shapes from the start: the tiles' lengths vary
+    (a chunk's last tile), and a graph per length (each times grad mode) would pass Dynamo's
+    recompile limit (8) and fall back to eager for the rest, as it did on the first GPU run."""
+    return torch.compile(getattr(_Parts, part), dynamic=True)
 
 
 @dataclass
@@ -294,8 +315,8 @@ def _chunkable(attn, x, kwargs) -> tuple[FlashMask, str] | None:
     return mask, impl
 
 
-def _tiled_forward(layer, tile: int, attention_chunk: int, original):
-    parts = _Parts(layer)
+def _tiled_forward(layer, tile: int, attention_chunk: int, original, compiled: bool):
+    parts = _Parts(layer, compiled)
     attn = layer.self_attn
 
     def forward(hidden_states, attention_mask=None, position_ids=None, *args, position_embeddings=None, **kwargs):
@@ -326,10 +347,11 @@ def _tiled_forward(layer, tile: int, attention_chunk: int, original):
     return forward
 
 
-def tile_decoder_layers(model, tile: int, attention_chunk: int = 65536) -> int:
+def tile_decoder_layers(model, tile: int, attention_chunk: int = 65536, compiled: bool = False) -> int:
     """Make each decoder layer a :class:`TiledLayer` (per-token parts over ``tile`` tokens, FlashMask
     attention over query chunks of at most ``attention_chunk`` rows; 0: one call over the whole
     sequence), and tile the final norm. The layers are then their own activation checkpoints.
+    ``compiled``: the per-token parts through ``torch.compile`` (:class:`_Parts`).
     Returns the number of layers tiled; a layer that is not Llama-shaped raises ``ValueError`` naming
     what is missing."""
     if isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0:
@@ -349,7 +371,7 @@ def tile_decoder_layers(model, tile: int, attention_chunk: int = 65536) -> int:
                              f"({type(layer).__name__}) has no {', '.join(missing)}; set model.tile_chunk = 0")
         original = layer.__dict__.get("_fm_untiled_forward", layer.forward)
         layer._fm_untiled_forward = original
-        layer.forward = _tiled_forward(layer, tile, attention_chunk, original)
+        layer.forward = _tiled_forward(layer, tile, attention_chunk, original, compiled)
         layer._fm_self_checkpointed = True  # checkpoint_layers must not wrap it in a second checkpoint
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     norm = getattr(getattr(base, "model", base), "norm", None)

@@ -74,6 +74,7 @@ def _config(shape: str, impl: str, args):
     m.attention = {"flashmask": "flashmask", "sdpa_dense": "sdpa", "flex": "flex"}[impl]
     m.tile_chunk = args.tile_chunk
     m.attention_chunk = args.attention_chunk
+    m.compile = args.compile
     cfg.data.seq_len = args.max  # only sizes the rotary table
     cfg.parallel.cp = "none"
     cfg.training.loss_chunk = args.loss_chunk
@@ -196,7 +197,8 @@ def run(shape: str, impl: str, device, args) -> dict:
             torch.cuda.reset_peak_memory_stats()
             static = torch.cuda.memory_allocated()
         policy = checkpoint_layers(model.get_base_model(), offload, every)
-        row = {"model": shape, "impl": impl, "n": n, "checkpoint_every": every, "offload_layers": offload}
+        row = {"model": shape, "impl": impl, "n": n, "checkpoint_every": every, "offload_layers": offload,
+               "compile": args.compile}
         try:
             seconds = _step(model, impl, n, device, args)
             row.update(fits=True, step_s=seconds, tokens_per_s=n / seconds)
@@ -391,6 +393,8 @@ def main() -> None:
     parser.add_argument("--tile-chunk", type=int, default=16384, help="tokens per chunk of each layer's per-token work (0: off)")
     parser.add_argument("--attention-chunk", type=int, default=65536,
                         help="query rows per FlashMask attention call inside a tiled layer (0: the whole sequence)")
+    parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+                        help="the tiled layers' per-token parts through torch.compile (model.compile; auto: on a GPU)")
     parser.add_argument("--profile", type=int, default=None, metavar="N",
                         help="first, profile one step of N tokens (planned like the others, after one warm step): CUDA "
                              "time by kind of kernel, written to max_context_profile.json")

@@ -53,9 +53,11 @@ def test_attention_per_query_chunk_equals_one_call_and_the_untiled_layer(kind, i
         pytest.skip("impl='auto' is the CuTe backend on Hopper only")
     host = masks.document(masks.sample_lengths(N)) if kind == "documents" else masks.causal(N)
     mask = host.to("cuda")
-    chunked = _run(4096, 8192, mask, impl)
+    chunked = _run(4096, 8192, mask, impl)  # model.compile = auto: the parts compiled on the GPU
+    eager = _run(4096, 8192, mask, impl, "--model.compile", "off")
     whole = _run(4096, 0, mask, impl)
     untiled = _run(0, 0, mask, impl)
+    _close(chunked, eager)
     _close(chunked, whole)
     _close(chunked, untiled)
 

@@ -5,6 +5,7 @@ documents, inside one long document, windows that overlap, rows that see nothing
 every k layers and on the host; then what it keeps, and which path it takes."""
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -34,9 +35,9 @@ def float64_norms(monkeypatch):
 
 
 def _model(tile: int = 0, attention_chunk: int = 65536, layers: int = 3, every: int = 1, offload: int = 0,
-           checkpointing: bool = True, dtype: str = "float64"):
+           checkpointing: bool = True, dtype: str = "float64", compile: str = "auto"):
     argv = ["--model.tile_chunk", str(tile), "--model.attention_chunk", str(attention_chunk),
-            "--model.activation_checkpointing", str(checkpointing).lower()]
+            "--model.activation_checkpointing", str(checkpointing).lower(), "--model.compile", compile]
     if checkpointing:
         argv += ["--model.checkpoint_every", str(every), "--model.offload_layers", str(offload)]
     return tiny_lora_llama(*argv, layers=layers, dtype=dtype)
@@ -180,6 +181,38 @@ def test_a_tiled_layer_keeps_its_input_only():
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     big = [b for b in seen.values() if b >= N * 32 * 8 // 4]
     assert sum(big) == 4 * N * 32 * 8, [b / (N * 32 * 8) for b in big]  # 3 layer inputs + the final norm's input
+
+
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+                    reason="torch.compile on the CPU needs a C++ compiler")
+def test_compiled_parts_give_the_untiled_loss_and_gradients():
+    """model.compile = on: the per-token parts through torch.compile (the GPU default), one compiled
+    function per part shared by both layers, full tiles and shorter ones (the length made dynamic)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    mask = masks.document([100, 120, 80])
+    want = _step(_model(checkpointing=False, layers=2), mask)
+    model = _model(tile=64, attention_chunk=128, layers=2, compile="on")
+    from fm_parallel.trainer.tiling import _compiled
+
+    _same(_step(model, mask), want)
+    assert _compiled.cache_info().currsize == 3  # query, keys, output: one each, for every layer
+    from torch._dynamo.utils import counters
+
+    # Per part: forward and backward, each with and without the input's gradient; not one per tile
+    # length (the GPU run that had those passed Dynamo's recompile limit and fell back to eager).
+    assert counters["stats"]["unique_graphs"] <= 3 * 4
+
+
+def test_compile_on_needs_tiled_layers():
+    from fm_parallel.trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"model.compile: expected model.tile_chunk > 0 with compile on"):
+        load_config(["--model.compile", "on"], environ={})
+    with pytest.raises(ConfigError, match=r"model.compile: expected auto, on or off, got .yes."):
+        load_config(["--model.compile", "yes"], environ={})
 
 
 def test_dropout_in_a_tiled_layer_is_refused():
