@@ -85,6 +85,36 @@ def test_the_trainer_refuses_before_the_model_is_built(tmp_path, monkeypatch, h2
     assert not (tmp_path / "run").exists()  # nothing written
 
 
+@pytest.mark.parametrize("argv, documents", [
+    (["--data.max_doc_tokens", "8192"], True),  # the 1M config: bounded documents, each chunk its own problem
+    ([], False),  # unbounded documents: one may span the row
+    (["--data.max_doc_tokens", "131072"], False),  # documents longer than a chunk: windows overlap
+    (["--data.max_doc_tokens", "8192", "--data.objective", "dpo"], False),  # DPO samples are not bounded by it
+])
+def test_the_plan_measures_the_costliest_mask_the_data_can_give(argv, documents):
+    """The one-layer measurement runs on the worst case of the run's data: with sft documents bounded
+    by data.max_doc_tokens <= model.attention_chunk, documents of that length (every query chunk cut
+    between them, no key windows overlapping), else one causal document."""
+    from fm_parallel import masks
+    from fm_parallel.masks.chunks import attention_chunks
+    from fm_parallel.trainer.capacity import worst_case_mask
+
+    n = 3 * 8192 * 4 + 100
+    cfg = _cfg("--model.attention_chunk", "32768", *argv)
+    mask = worst_case_mask(cfg, n)
+    if not documents:
+        assert torch.equal(mask.fms, masks.causal(n).fms) and torch.equal(mask.fme, masks.causal(n).fme)
+        return
+    lengths = [8192] * (n // 8192) + [n % 8192]
+    want = masks.document(lengths)
+    assert torch.equal(mask.fms, want.fms) and torch.equal(mask.fme, want.fme)
+    chunks, overlap = attention_chunks(mask, 32768)
+    assert not overlap and all((c.k0, c.k1) == (c.r0, c.r1) for c in chunks)
+    # any packed row of such documents is no costlier: its chunks are cut between documents too
+    _, packed_overlap = attention_chunks(masks.document(masks.sample_lengths(n, mean=4096)), 32768)
+    assert not packed_overlap
+
+
 def test_auto_on_the_cpu_says_it_cannot_measure_and_checkpoints_every_layer():
     from fm_parallel.trainer.capacity import plan_run
 
