@@ -116,7 +116,7 @@ def _train(cfg: Config, stopped) -> dict:
             saved = checkpoint.save(cfg, model, optim, step, rows_done, rows_per_step, tokenizer)
         if stopping and not last:
             progress.close()
-            say(f"stopped after step {step}; checkpoint {saved}; continue with --resume")
+            say(f"stopped after {step + 1} of {cfg.training.steps} steps; checkpoint {saved}; continue with --resume")
             break
     progress.close()
     if not stopped():
