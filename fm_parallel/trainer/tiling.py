@@ -39,6 +39,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo
 
 from fm_parallel import backends
 from fm_parallel.masks.chunks import AttentionChunk, attention_chunks
@@ -111,7 +112,18 @@ def _compiled(part: str):
     are shared by every layer and every call. Dynamic shapes from the start: the tiles' lengths vary
     (a chunk's last tile), and a graph per length (each times grad mode) would pass Dynamo's
     recompile limit (8) and fall back to eager for the rest, as it did on the first GPU run."""
-    return torch.compile(getattr(_Parts, part), dynamic=True)
+    compiled = torch.compile(getattr(_Parts, part), dynamic=True)
+
+    @functools.wraps(compiled)
+    def run(*args, **kwargs):
+        try:
+            return compiled(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as e:  # a model's layer torch.compile cannot take
+            raise RuntimeError(f"model.compile: torch.compile failed on the tiled layers' {part} part "
+                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                               "set model.compile = 'off' to run them eagerly") from e
+
+    return run
 
 
 @dataclass

@@ -206,6 +206,27 @@ def test_compiled_parts_give_the_untiled_loss_and_gradients():
     assert counters["stats"]["unique_graphs"] <= 3 * 4
 
 
+def test_a_failed_compile_names_the_key_that_turns_it_off(monkeypatch):
+    import torch._dynamo
+
+    from fm_parallel.trainer import tiling
+
+    def failing(fn, **kwargs):
+        def run(*args, **kw):
+            raise torch._dynamo.exc.Unsupported("a layer Dynamo cannot trace")
+        return run
+
+    tiling._compiled.cache_clear()
+    monkeypatch.setattr(torch, "compile", failing)
+    try:
+        model = _model(tile=64, attention_chunk=128, layers=1, compile="on")
+        with pytest.raises(RuntimeError, match=r"model.compile: torch.compile failed on the tiled layers' \w+ part "
+                                               r"\(Unsupported: a layer Dynamo cannot trace\); set model.compile = 'off'"):
+            _step(model, masks.document([100, 120, 80]))
+    finally:
+        tiling._compiled.cache_clear()
+
+
 def test_compile_on_needs_tiled_layers():
     from fm_parallel.trainer.config import ConfigError, load_config
 
