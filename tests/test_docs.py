@@ -243,7 +243,8 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
              ('"launch/train.py", "--help"',)),
     ("docs/training.md", "python -m fm_parallel.trainer.export RUN_DIR"):
         Skip(TESTED, "RUN_DIR is a placeholder", EXPORT_TEST, ("fm_parallel.trainer.export",)),
-    ("docs/training.md", "python launch/bench/trainer_attention.py --steps 3"): Skip(GPU, "H200, 1B model at 32k-128k"),
+    ("docs/training.md", "python launch/bench/trainer_attention.py --lengths 32768 --attention flashmask flex sdpa --warm-pass"):
+        Skip(GPU, "1B model at 32k, three attentions, warm (H200, 2026-12-04)"),
     # ---------------------------------------------------------------- module docstrings
     ("launch/finetune_smollm2.py", PIP_SMOL): Skip(SAME, "the guide's", ("docs/huggingface.md", PIP_SMOL)),
     ("launch/finetune_smollm2.py", SMOL): Skip(SAME, "the guide's", ("docs/huggingface.md", SMOL)),
