@@ -48,16 +48,17 @@ def worst_case_mask(cfg: Config, n: int):
     """The mask of ``n`` tokens the plan measures, the costliest the run's data can give the tiled layer.
 
     In general one causal document: its query chunks see windows that grow to the whole row, and their
-    keys' gradients add up in float32. When the data bounds its documents (``sft`` with
-    ``data.max_doc_tokens`` at most ``model.attention_chunk``) every chunk is cut between documents and
-    is its own problem (no windows overlap, no float32 sums): documents of exactly ``max_doc_tokens``
-    are then the worst case, with about half the causal document's memory per token (the 8B shape on
-    the H100: 48 KiB measured on a causal document, 24 on packed documents), which is what lets 1M
-    tokens fit."""
+    keys' gradients add up in float32. When the data bounds its documents
+    (:meth:`~fm_parallel.trainer.objectives.Objective.longest_document`: ``data.max_doc_tokens`` for
+    ``sft``) by at most ``model.attention_chunk`` every chunk is cut between documents and
+    is its own problem (no windows overlap, no float32 sums): documents of exactly that length are
+    then the worst case, with about half the causal document's memory per token (the 8B shape on the
+    H100: 48 KiB measured on a causal document, 24 on packed documents)."""
     from fm_parallel import masks
+    from fm_parallel.trainer.objectives import objective
 
-    bound = cfg.data.max_doc_tokens
-    if cfg.data.objective == "sft" and 0 < bound < n and cfg.model.attention_chunk and bound <= cfg.model.attention_chunk:
+    bound = objective(cfg).longest_document()
+    if 0 < bound < n and cfg.model.attention_chunk and bound <= cfg.model.attention_chunk:
         return masks.document([bound] * (n // bound) + ([n % bound] if n % bound else []))
     return masks.causal(n)
 

@@ -61,6 +61,11 @@ class Objective:
         """The endless, deterministic stream of packed :class:`Row` s (the same on every rank)."""
         raise NotImplementedError
 
+    def longest_document(self) -> int:
+        """The most tokens one document of a row can span, so that no row position sees further back
+        (the memory plan measures the costliest mask under it); 0: unbounded (up to the whole row)."""
+        return 0
+
     def denominator(self, rows: list[Row]) -> int:
         """What the summed losses of ``rows`` (the whole step's) are divided by; at least 1, so rows
         with nothing to predict contribute zero, not NaN."""
@@ -84,6 +89,9 @@ class SFT(Objective):
 
     name = "sft"
     FIELDS = SFT_FIELDS
+
+    def longest_document(self) -> int:
+        return self.cfg.data.max_doc_tokens  # sft_rows splits longer documents
 
     def rows(self, tokenizer):
         return sft_rows(self.cfg.data.seq_len, tokenizer, self.cfg.data.path, self.cfg.data.max_doc_tokens)
