@@ -39,7 +39,6 @@ import sys
 from dataclasses import dataclass
 
 import torch
-import torch._dynamo
 
 from fm_parallel import backends
 from fm_parallel.masks.chunks import AttentionChunk, attention_chunks
