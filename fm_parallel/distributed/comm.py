@@ -8,6 +8,7 @@ forwarded through ranks that would not use it.
 
 from __future__ import annotations
 
+import collections
 import numbers
 import os
 import struct
@@ -98,9 +99,30 @@ class Pending:
         self.works, self.copies = works, copies
 
 
+# Works this process waited for on gloo, kept referenced from Python a while longer (hold_works): the
+# last two waits' (an agreement's few integers, or one ring step's host buffers), so what is held stays
+# small.
+_HELD_WORKS: collections.deque = collections.deque(maxlen=2)
+
+
+def hold_works(works) -> None:
+    """Keep finished ``works`` referenced from Python until later calls push them out (or the
+    interpreter clears this module). A gloo work holds the tensors it moved; if the worker thread that
+    ran it drops the last reference, it frees them there, which takes the GIL, and when that falls
+    in the interpreter's shutdown the thread is cancelled inside a destructor: ``terminate called
+    without an active exception``, SIGABRT, after the job's work was done (1 run in 5 of a 2-rank
+    gloo script whose last collective was an agreement; core dump: ``~AsyncAllgatherWork`` in
+    ``ProcessGroupGloo::runLoop``, pytorch/pytorch#179291). Held here, the last reference is
+    Python's, dropped on the main thread. NCCL's works (device memory, released by its watchdog) are
+    not held."""
+    _HELD_WORKS.append(list(works))
+
+
 def wait_with_deadline(works, what: str, timeout_s: float) -> None:
     """Wait for collective or p2p works, each for at most ``timeout_s``; a timeout or a closed peer
-    connection becomes a :class:`RankFailure` saying ``what`` was waiting."""
+    connection becomes a :class:`RankFailure` saying ``what`` was waiting. The works are then held
+    (:func:`hold_works`)."""
+    hold_works(works)
     try:
         for work in works:
             try:
