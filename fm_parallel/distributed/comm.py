@@ -99,9 +99,9 @@ class Pending:
         self.works, self.copies = works, copies
 
 
-# Works this process waited for on gloo, kept referenced from Python a while longer (hold_works): the
-# last two waits' (an agreement's few integers, or one ring step's host buffers), so what is held stays
-# small.
+# Works waited for with a deadline (agreements on any backend; gloo's ring and Ulysses transfers), kept
+# referenced from Python a while longer (hold_works): the last two waits' (an agreement's few integers,
+# or one transfer's host buffers), so what is held stays small.
 _HELD_WORKS: collections.deque = collections.deque(maxlen=2)
 
 
@@ -113,8 +113,8 @@ def hold_works(works) -> None:
     without an active exception``, SIGABRT, after the job's work was done (1 run in 5 of a 2-rank
     gloo script whose last collective was an agreement; core dump: ``~AsyncAllgatherWork`` in
     ``ProcessGroupGloo::runLoop``, pytorch/pytorch#179291). Held here, the last reference is
-    Python's, dropped on the main thread. NCCL's works (device memory, released by its watchdog) are
-    not held."""
+    Python's, dropped on the main thread. NCCL's ring transfers (device memory, their works released
+    by its watchdog) are not held."""
     _HELD_WORKS.append(list(works))
 
 
