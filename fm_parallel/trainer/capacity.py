@@ -70,7 +70,7 @@ def measure_one_layer(cfg: Config, device: torch.device, vocab_size: int, length
     bytes), ``fixed`` and ``per_token`` (the steps' peaks above static, fitted)."""
     from fm_parallel.trainer.memory import decoder_layers
     from fm_parallel.trainer.model import build_model, hidden
-    from fm_parallel.trainer.objectives import chunked
+    from fm_parallel.trainer.objectives import chunked_cross_entropy
 
     one = copy.deepcopy(cfg)
     one.model.layers, one.model.checkpoint_every, one.model.offload_layers = 1, 1, -1
@@ -88,8 +88,7 @@ def measure_one_layer(cfg: Config, device: torch.device, vocab_size: int, length
         mask = worst_case_mask(cfg, n).to(device)
         ids = torch.randint(0, vocab_size, (1, n), device=device)
         h = hidden(model, ids, torch.arange(n, device=device).view(1, n), mask, None, cfg.parallel.impl or "auto")
-        loss = chunked(head, h, ids, cfg.training.loss_chunk,
-                       lambda logits, y: torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum"))
+        loss = chunked_cross_entropy(head, h, ids, cfg.training.loss_chunk)
         loss.backward()
         del h, loss
         peaks.append(torch.cuda.max_memory_allocated(device) - static)

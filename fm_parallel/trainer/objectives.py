@@ -23,7 +23,7 @@ from fm_parallel.trainer.data import DPO_FIELDS, SFT_FIELDS, Row, check_dpo_samp
 from fm_parallel.trainer.model import hidden_states
 from fm_parallel.trainer.tiles import tiled_map, tiled_sum
 
-__all__ = ["Objective", "SFT", "DPO", "OBJECTIVES", "objective", "chunked"]
+__all__ = ["Objective", "SFT", "DPO", "OBJECTIVES", "objective", "chunked", "chunked_cross_entropy"]
 
 
 def chunked(head, hidden, labels, chunk: int, fn):
@@ -31,6 +31,13 @@ def chunked(head, hidden, labels, chunk: int, fn):
     in the backward instead of kept, so ``[N, vocab]`` logits never exist at once, and ``hidden``'s
     gradient is written chunk by chunk into one buffer (:func:`~fm_parallel.trainer.tiles.tiled_sum`)."""
     return tiled_sum(lambda h_, y_: fn(head(h_).float(), y_), hidden, chunk, labels, params=head.parameters())
+
+
+def chunked_cross_entropy(head, hidden, labels, chunk: int):
+    """The summed next-token cross-entropy of ``hidden [B, n, hidden]`` against ``labels [B, n]`` (-100:
+    not scored), over :func:`chunked` logits: the SFT loss."""
+    return chunked(head, hidden, labels, chunk,
+                   lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum"))
 
 
 class Objective:
@@ -101,8 +108,7 @@ class SFT(Objective):
 
     def loss(self, model, batch, layout):
         head = model.get_base_model().lm_head
-        return chunked(head, hidden_states(model, batch), batch.labels, self.cfg.training.loss_chunk,
-                       lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum"))
+        return chunked_cross_entropy(head, hidden_states(model, batch), batch.labels, self.cfg.training.loss_chunk)
 
     def eval_sums(self, model, batch, layout):
         return {"loss": self.loss(model, batch, layout), "count": (batch.labels >= 0).sum()}

@@ -122,11 +122,9 @@ class Planner:
 
 def _step(model, impl: str, n: int, device, args) -> float:
     """One training step on a packed row of ``n`` tokens (documents of mean length 2048); its seconds."""
-    import torch.nn.functional as F
-
     from fm_parallel import masks
     from fm_parallel.trainer.model import hidden as decoder_hidden
-    from fm_parallel.trainer.objectives import chunked
+    from fm_parallel.trainer.objectives import chunked_cross_entropy
 
     host_mask = masks.document(masks.sample_lengths(n))
     pairs = int(host_mask.visible_pairs().sum())
@@ -140,8 +138,7 @@ def _step(model, impl: str, n: int, device, args) -> float:
     t0 = time.perf_counter()
     hidden = decoder_hidden(model, ids, torch.arange(n, device=device).view(1, n), mask, None, "auto")
     head = model.get_base_model().lm_head
-    loss = chunked(head, hidden, labels, args.loss_chunk,
-                   lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")) / n
+    loss = chunked_cross_entropy(head, hidden, labels, args.loss_chunk) / n
     loss.backward()
     optim.step()
     optim.zero_grad(set_to_none=True)
@@ -208,7 +205,7 @@ def run(shape: str, impl: str, device, args) -> dict:
                 row.update(tflop=count.total / 1e12, tflops_per_s=count.total / seconds / 1e12)
                 peak = peak_tflops(torch.cuda.get_device_name(device)) if cuda else None
                 if peak:
-                    row["mfu"] = count.total / seconds / 1e12 / peak
+                    row["mfu"] = row["tflops_per_s"] / peak
         except Exception as e:  # noqa: BLE001 - out of memory is the answer we look for; others are reported
             if not _is_oom(e):
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"

@@ -19,7 +19,7 @@ N = 32768
 def _run(tile: int, attention_chunk: int, mask, impl: str, *extra: str):
     from fm_parallel.trainer.config import load_config
     from fm_parallel.trainer.model import build_model, hidden
-    from fm_parallel.trainer.objectives import chunked
+    from fm_parallel.trainer.objectives import chunked_cross_entropy
 
     argv = ["--model.hidden_size", "1024", "--model.layers", "2", "--model.heads", "8", "--model.kv_heads", "2",
             "--model.intermediate_size", "2048", "--parallel.cp", "none", "--model.tile_chunk", str(tile),
@@ -31,8 +31,7 @@ def _run(tile: int, attention_chunk: int, mask, impl: str, *extra: str):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 1024, (1, N), generator=g).cuda()
     h = hidden(model, ids, torch.arange(N, device="cuda").view(1, N), mask, None, impl)
-    loss = chunked(model.get_base_model().lm_head, h[:, :-1], ids[:, 1:], 4096,
-                   lambda logits, y: torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")) / N
+    loss = chunked_cross_entropy(model.get_base_model().lm_head, h[:, :-1], ids[:, 1:], 4096) / N
     loss.backward()
     return loss.item(), {k: p.grad.float() for k, p in model.named_parameters() if p.requires_grad}
 
