@@ -6,8 +6,8 @@ live, computed before the model is built, from its shape and one layer's memory 
                                                # what the length needs and what the machine has
 
 The measurement: a model of the run's shape with *one* decoder layer (the real vocabulary, the same
-tiling, LoRA and loss), its checkpoint on the host, runs a training step at two lengths on one causal
-document (the mask that costs the tiled layer most); the peaks
+tiling, LoRA and loss), its checkpoint on the host, runs a training step at two lengths on the
+costliest mask the run's data can give the tiled layer (:func:`worst_case_mask`); the peaks
 above its static memory give ``fixed + per_token * n`` (one layer's working set and the model-level
 terms: the hidden states between the layers, the loss). The real model's static memory is the one
 layer model's plus ``L - 1`` layers of parameters and every adapter's AdamW moments.
@@ -129,7 +129,7 @@ def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
     got = (measure or measure_one_layer)(cfg, device, vocab_size, lengths)
     values = (agree or _largest_over_ranks)([got["static"], got["layer"], got["adapter"], got["fixed"], got["per_token"]])
     static, layer, adapter, fixed, per_token = values
-    layers = _layers(cfg)
+    layers, hidden = _shape(cfg)
     total = torch.cuda.get_device_properties(device).total_memory
     device_budget = m.device_memory_gib * GIB if m.device_memory_gib else 0.94 * total
     host_budget = m.host_memory_gib * GIB if m.host_memory_gib else 0.75 * host_memory_bytes()
@@ -137,7 +137,7 @@ def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
     constant = static + (layers - 1) * layer + (layers - 1) * adapter + 2 * layers * adapter + fixed
     itemsize = {"float32": 4, "float64": 8}.get(m.dtype, 2)
     try:
-        plan = plan_memory(n, layers=layers, hidden=_hidden(cfg), itemsize=itemsize, fixed_bytes=constant,
+        plan = plan_memory(n, layers=layers, hidden=hidden, itemsize=itemsize, fixed_bytes=constant,
                            bytes_per_token=per_token, device_budget=device_budget, host_budget=host_budget)
     except MemoryPlanError as e:
         raise ConfigError(f"data.seq_len: {e} (model.memory_plan = 'auto', measured on one layer: "
@@ -159,17 +159,11 @@ def _largest_over_ranks(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def _layers(cfg: Config) -> int:
+def _shape(cfg: Config) -> tuple[int, int]:
+    """The decoder's layer count and width: the built Llama's, or ``model.path``'s config (read once)."""
     if not cfg.model.path:
-        return cfg.model.layers
+        return cfg.model.layers, cfg.model.hidden_size
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(cfg.model.path, local_files_only=True).get_text_config().num_hidden_layers
-
-
-def _hidden(cfg: Config) -> int:
-    if not cfg.model.path:
-        return cfg.model.hidden_size
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(cfg.model.path, local_files_only=True).get_text_config().hidden_size
+    text = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True).get_text_config()
+    return text.num_hidden_layers, text.hidden_size

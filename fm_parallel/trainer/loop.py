@@ -103,9 +103,9 @@ def _train(cfg: Config, stopped) -> dict:
         dist.all_reduce(local_loss)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        flops = rows_flops(cfg, model.get_base_model().config, rows) if device.type == "cuda" else None  # MFU: GPU only
         progress.update(log.append(metrics.step_record(step, local_loss.item(), len(rows) * cfg.data.seq_len,
-                                                       time.perf_counter() - t0, lr, device, policy, grad_norm,
-                                                       rows_flops(cfg, model.get_base_model().config, rows))))
+                                                       time.perf_counter() - t0, lr, device, policy, grad_norm, flops)))
         if held.due(step):
             progress.write(log.append(held.evaluate(objective, model, lay, device, step)))
         last = step == cfg.training.steps - 1
