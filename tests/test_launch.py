@@ -67,12 +67,29 @@ def test_max_context_merges_earlier_runs(tmp_path):
     for name, part in (("a.jsonl", rows), ("b.jsonl", dense)):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in part))
     proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "max_context.py"), "--merge", str(tmp_path / "a.jsonl"),
-                           str(tmp_path / "b.jsonl"), "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    data = json.loads((tmp_path / "max_context.json").read_text())
+                           str(tmp_path / "b.jsonl"), "--out", str(tmp_path / "new")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]  # --out is made when missing
+    out = tmp_path / "new"
+    data = json.loads((out / "max_context.json").read_text())
     assert [(r["impl"], r["longest"], len(r["tried"])) for r in data["results"]] == [("flashmask", 1024, 2), ("sdpa_dense", 1024, 1)]
-    assert "| 1b | flashmask | 1024 | 3.0 |" in (tmp_path / "max_context.md").read_text()
-    assert (tmp_path / "max_context.png").exists()
+    md = (out / "max_context.md").read_text()
+    assert "| 1b | flashmask | 1024 | 3.0 |" in md
+    assert "| 1b | sdpa_dense | 1024 | 1.0 |" in md  # the by-shape table
+    assert (out / "max_context.png").exists() and (out / "max_context_shapes.png").exists()
+
+
+def test_max_context_by_shape_orders_shapes_and_marks_cut_searches():
+    sys.path.insert(0, str(ROOT / "launch" / "bench"))
+    from max_context import by_shape
+
+    def result(model, impl, longest, stopped=None):
+        return {"model": model, "impl": impl, "longest": longest, "stopped": stopped,
+                "tried": [{"n": longest, "fits": True, "step_s": longest / 1000}, {"n": 2 * longest, "fits": False}]}
+
+    rows = by_shape([result("8b", "flex", 4096, stopped="time limit 60 s"), result("8b", "flashmask", 8192),
+                     result("1b", "sdpa_dense", 2048), {"model": "1b", "impl": "flex", "longest": 0, "tried": []}])
+    assert [(r["model"], r["impl"], r["longest"], r["step_s"], r["cut_short"]) for r in rows] == [
+        ("1b", "sdpa_dense", 2048, 2.048, False), ("8b", "flashmask", 8192, 8.192, False), ("8b", "flex", 4096, 4.096, True)]
 
 
 def test_trainer_attention_benchmark_runs_on_the_cpu(tmp_path):

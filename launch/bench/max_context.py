@@ -343,6 +343,55 @@ def _plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def by_shape(results: list[dict]) -> list[dict]:
+    """One row per (model shape, attention) that has a fitting length: the longest, its step seconds and
+    whether the search was cut short (then the length is a lower bound). Shapes and implementations in
+    the order of :data:`SHAPES` and :data:`IMPLS`."""
+    rows = []
+    for shape in SHAPES:
+        for impl in IMPLS:
+            for r in results:
+                if r["model"] != shape or r["impl"] != impl or not r["longest"]:
+                    continue
+                at = next(t for t in r["tried"] if t["n"] == r["longest"] and t["fits"])
+                rows.append({"model": shape, "impl": impl, "longest": r["longest"], "step_s": at["step_s"],
+                             "cut_short": bool(r.get("stopped"))})
+    return rows
+
+
+def _plot_by_shape(rows: list[dict], path: Path) -> None:
+    """The longest fitting length and the step time there against the model shape (:func:`by_shape`),
+    one bar per attention implementation; a search cut short is hatched (a lower bound)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["model"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    width = 0.8 / max(len(impls), 1)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    labelled = set()
+    for r in rows:
+        k, x = impls.index(r["impl"]), shapes.index(r["model"])
+        pos = x - 0.4 + width * (k + 0.5)
+        for ax, value, text in ((a, r["longest"], f"{r['longest'] // 1024}k"), (b, r["step_s"], f"{r['step_s']:.0f} s")):
+            label = None if (ax, r["impl"]) in labelled else r["impl"]
+            labelled.add((ax, r["impl"]))
+            ax.bar(pos, value, width, color=f"C{k}", hatch="//" if r["cut_short"] else None, label=label)
+            ax.annotate(text, (pos, value), ha="center", va="bottom", fontsize=7)
+    a.set_yscale("log", base=2)
+    a.set_title("longest LoRA step that fits, tokens (hatched: search cut short)")
+    b.set_title("step time at that length, s")
+    for ax in (a, b):
+        ax.set_xticks(range(len(shapes)), [s.upper() for s in shapes])
+        ax.set_xlabel("model shape")
+        ax.grid(alpha=0.3, axis="y")
+    a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def _report(results: list[dict], out: Path, cmd: str) -> None:
     (out / "max_context.json").write_text(json.dumps({"command": cmd, "results": results}, indent=1))
     lines = ["| model | attention | longest step that fits | peak GiB there | host GiB there | layers offloaded | checkpoint every | step s (one step) | tokens/s (one step) | lengths tried (x: did not fit, r: refused by the plan) |",
@@ -357,7 +406,13 @@ def _report(results: list[dict], out: Path, cmd: str) -> None:
         lines.append(f"| {r['model']} | {r['impl']} | {longest} | {peak} | {host} | {t.get('offload_layers', '-')} | "
                      f"{t.get('checkpoint_every', 1)} | {t['step_s']:.1f} | {t['tokens_per_s']:.0f} | {tried} |" if t else
                      f"| {r['model']} | {r['impl']} | {longest} | - | - | - | - | - | - | {tried} |")
+    shapes = by_shape(results)
+    lines += ["", "By model shape (`max_context_shapes.png`):", "",
+              "| model | attention | longest step that fits | step s there |", "|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['impl']} | {r['longest']}{' (lower bound: search cut short)' if r['cut_short'] else ''} | "
+              f"{r['step_s']:.1f} |" for r in shapes]
     _plot(results, out / "max_context.png")
+    _plot_by_shape(shapes, out / "max_context_shapes.png")
     md = "\n".join(lines)
     (out / "max_context.md").write_text(f"# Longest LoRA step\n\n`{cmd}`\n\n{md}\n")
     print(md)
@@ -416,6 +471,7 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')}: expected auto or an integer, got {value!r}")
     cmd = "python launch/bench/max_context.py " + " ".join(sys.argv[1:])
     if args.merge:
+        args.out.mkdir(parents=True, exist_ok=True)
         merge(args.merge, args.out, cmd)
         return
     device = torch.device(args.device)
