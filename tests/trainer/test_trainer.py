@@ -115,6 +115,22 @@ def test_resume_after_a_stop_reproduces_the_uninterrupted_run(tmp_path):
     assert got == pytest.approx(want, rel=1e-6)
 
 
+def test_a_stop_says_how_far_it_got_and_how_to_go_on(tmp_path):
+    """What the user reads when ``output.stop_after`` ends a run early: the steps done of the steps asked,
+    the checkpoint written, and the flag that continues (it once said "step 0" after one step)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "fm_parallel.launch", *TINY, "--parallel.cp", "none", "--output.dir", str(out),
+           "--output.stop_after", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, MASTER_PORT=str(29000 + os.getpid() % 500)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    saved = sorted((out / "checkpoints").glob("step_*"))
+    assert len(saved) == 1 and (saved[0] / "complete").exists()
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("stopped after"))
+    assert line == f"stopped after 1 of 4 steps; checkpoint {saved[0]}; continue with --resume"
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
 def test_sigterm_writes_a_checkpoint(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "fm_parallel.launch", *TINY, "--training.steps", "500", "--parallel.cp", "none", "--output.dir", str(out)]
