@@ -58,6 +58,9 @@ class ModelConfig:
     lora_rank: int = _key(16, "LoRA rank", low=1)
     lora_alpha: int = _key(32, "LoRA alpha (scale = alpha / rank)", low=1)
     lora_targets: str = _key("q_proj,k_proj,v_proj,o_proj", "comma-separated module names that get LoRA adapters")
+    lora_compute: str = _key("base", "dtype of the LoRA products: base (the base weights' dtype, bfloat16 on a GPU; the "
+                                     "adapters, their gradients and optimizer state stay float32) | float32 (peft's "
+                                     "default: each layer input copied to float32 first)", choices=("base", "float32"))
     activation_checkpointing: bool = _key(True, "recompute each decoder layer in the backward")
     offload_layers: int = _key(0, "layers (from the first) whose checkpointed input lives in host memory; -1: all",
                                low=0, special=(-1,))

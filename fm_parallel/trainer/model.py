@@ -78,6 +78,38 @@ def compiles(cfg: Config, device) -> bool:
                                                                          and torch.device(device).type == "cuda"))
 
 
+class _FactorInInputDtype(torch.nn.Linear):
+    """A LoRA factor (``lora_A`` / ``lora_B``) that multiplies in its input's dtype. Its float32 weight
+    is cast per call (rank x width elements, nothing next to the N-token product); the gradient reaches
+    the float32 weight through the cast, so the optimizer still updates float32 adapters."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)
+
+
+def lora_in_input_dtype(model) -> int:
+    """LoRA products in the base layers' dtype (``model.lora_compute = "base"``); returns the factors
+    changed. peft keeps adapters in float32 on a bfloat16 base and copies each layer's input to float32
+    before them: at 1M tokens that is a float32 copy of every projection's input and float32 GEMMs
+    (no bf16 tensor cores) of [N, hidden] x [hidden, rank]. Here the input stays as it is (peft's own
+    ``cast_input_dtype_enabled`` switch) and each factor casts its weight instead: what autocast does,
+    scoped to the adapters. The state dict, its names and dtypes are unchanged."""
+    from peft.tuners.lora import LoraLayer
+
+    changed = 0
+    for module in model.modules():
+        if not isinstance(module, LoraLayer) or module.lora_variant:  # a variant (DoRA, ...) takes peft's input cast
+            continue
+        module.cast_input_dtype_enabled = False
+        for factors in (module.lora_A, module.lora_B):
+            for factor in factors.values():
+                if type(factor) is torch.nn.Linear:  # a variant's own module (DoRA, ...) is left as peft made it
+                    factor.__class__ = _FactorInInputDtype
+                    changed += 1
+    return changed
+
+
 def build_model(cfg: Config, vocab_size: int, device, save_base=None):
     """The peft LoRA model. ``save_base(base)``: called with a model built from the config (no
     ``model.path``) before LoRA is injected, so the run can save its random base weights once and
@@ -119,6 +151,8 @@ def build_model(cfg: Config, vocab_size: int, device, save_base=None):
     lora = LoraConfig(r=cfg.model.lora_rank, lora_alpha=cfg.model.lora_alpha,
                       target_modules=[t.strip() for t in cfg.model.lora_targets.split(",") if t.strip()])
     model = get_peft_model(base, lora)
+    if cfg.model.lora_compute == "base":
+        lora_in_input_dtype(model)
     model.train()
     model.checkpoint_policy = policy
     return model

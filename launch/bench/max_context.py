@@ -75,6 +75,7 @@ def _config(shape: str, impl: str, args):
     m.tile_chunk = args.tile_chunk
     m.attention_chunk = args.attention_chunk
     m.compile = args.compile
+    m.lora_compute = args.lora_compute
     cfg.data.seq_len = args.max  # only sizes the rotary table
     cfg.parallel.cp = "none"
     cfg.training.loss_chunk = args.loss_chunk
@@ -195,7 +196,7 @@ def run(shape: str, impl: str, device, args) -> dict:
             static = torch.cuda.memory_allocated()
         policy = checkpoint_layers(model.get_base_model(), offload, every)
         row = {"model": shape, "impl": impl, "n": n, "checkpoint_every": every, "offload_layers": offload,
-               "compile": args.compile}
+               "compile": args.compile, "lora_compute": args.lora_compute}
         try:
             seconds = _step(model, impl, n, device, args)
             row.update(fits=True, step_s=seconds, tokens_per_s=n / seconds)
@@ -447,6 +448,8 @@ def main() -> None:
                         help="query rows per FlashMask attention call inside a tiled layer (0: the whole sequence)")
     parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
                         help="the tiled layers' per-token parts through torch.compile (model.compile; auto: on a GPU)")
+    parser.add_argument("--lora-compute", default="base", choices=("base", "float32"),
+                        help="dtype of the LoRA products (model.lora_compute): base (bf16 on a GPU) or float32 (peft's default)")
     parser.add_argument("--profile", type=int, default=None, metavar="N",
                         help="first, profile one step of N tokens (planned like the others, after one warm step): CUDA "
                              "time by kind of kernel, written to max_context_profile.json")
