@@ -26,6 +26,7 @@ from fm_parallel.trainer.config import Config, ConfigError, check_before_start, 
 from fm_parallel.trainer.data import DataError
 from fm_parallel.trainer.export import save_base_model
 from fm_parallel.trainer.flops import rows_flops
+from fm_parallel.trainer.memory import prefer_expandable_segments
 from fm_parallel.trainer.model import build_model, build_tokenizer, compiles
 from fm_parallel.trainer.objectives import objective as make_objective
 from fm_parallel.trainer.optimizer import build_optimizer, set_learning_rate, update
@@ -52,6 +53,7 @@ def train(cfg: Config) -> dict:
 
 
 def _train(cfg: Config, stopped) -> dict:
+    expandable = prefer_expandable_segments()  # before anything touches CUDA
     check_before_start(cfg)  # the kernel against the device, ...: refused before anything is created
     tokenizer = build_tokenizer(cfg)
     preflight(cfg, tokenizer, stopped)
@@ -59,6 +61,9 @@ def _train(cfg: Config, stopped) -> dict:
     parallel.init_distributed(cfg.parallel.timeout_s)
     rank, out_dir = dist.get_rank(), Path(cfg.output.dir)
     say = lambda text: print(text, flush=True) if rank == 0 else None  # noqa: E731
+    if expandable:
+        say("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set by the trainer: long rows fragment fixed "
+            "segments; set the variable yourself to choose)")
     runs.check_run_dir(cfg)  # every rank, before anything is written
     lay = parallel.layout(cfg)
     device = parallel.device()

@@ -16,13 +16,36 @@ host memory taken (a one-GPU machine with 128 GiB of host memory cannot hold all
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["CheckpointPolicy", "HostOffload", "MemoryPlan", "MemoryPlanError", "checkpoint_layers", "decoder_layers",
-           "plan_memory"]
+           "plan_memory", "prefer_expandable_segments"]
+
+ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def prefer_expandable_segments() -> bool:
+    """Ask torch's CUDA caching allocator for expandable segments before CUDA starts; True if this call
+    set it. Left alone where the user set the allocator's variable (``PYTORCH_CUDA_ALLOC_CONF`` or
+    ``PYTORCH_ALLOC_CONF``), without a GPU, or once CUDA is initialised (too late to take effect).
+
+    Why: a long row's tensors come in many sizes (tiles of varying length, one window per attention
+    chunk, loss chunks, checkpoints copied back from the host). With fixed segments the blocks freed
+    at one size do not serve the next, so the memory reserved runs above the memory allocated, which
+    is what the memory plan budgets; a plan that fits by allocated bytes can then run out. Expandable
+    segments grow one mapping per stream instead. The older name is set: torch 2.9.1 ignores the newer
+    ``PYTORCH_ALLOC_CONF`` for this setting on CUDA (pytorch/pytorch#183387); torch 2.8 to 2.11 warn
+    once that the older name is deprecated."""
+    if any(os.environ.get(name) for name in ALLOCATOR_ENV):
+        return False
+    if not torch.cuda.is_available() or torch.cuda.is_initialized():
+        return False
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return True
 
 
 @dataclass

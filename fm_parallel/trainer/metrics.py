@@ -100,6 +100,10 @@ def step_record(step: int, loss: float, tokens: int, elapsed: float, lr: float, 
     record["memory_gib"] = memory.item()
     if device.type == "cuda":
         record["peak_gib"] = record["memory_gib"]  # the name earlier runs and scripts read
+        # The allocator's flushes so far (each frees every cached block and waits for the device): a run
+        # close to the GPU's memory that slows down shows it here (this rank's count).
+        record["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+        record["reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30  # this rank's; above peak: fragmentation
     record.update(tokens_per_s=tokens / elapsed, step_s=elapsed)
     if policy is not None and policy.host_bytes:
         record["host_gib"] = policy.host_bytes / 2**30

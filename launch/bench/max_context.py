@@ -215,6 +215,8 @@ def run(shape: str, impl: str, device, args) -> dict:
         if cuda:
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             row["static_gib"] = static / 2**30
+            row["reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30  # above peak_gib: fragmentation
+            row["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
             row["used"] = torch.cuda.max_memory_allocated() - static
         model.zero_grad(set_to_none=True)
         if cuda:
@@ -477,6 +479,10 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         merge(args.merge, args.out, cmd)
         return
+    from fm_parallel.trainer.memory import prefer_expandable_segments
+
+    if args.device.startswith("cuda") and prefer_expandable_segments():  # as the trainer does, before CUDA starts
+        print("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set as the trainer sets it)", flush=True)
     device = torch.device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "max_context.jsonl").unlink(missing_ok=True)

@@ -2,6 +2,7 @@
 every operator produces (forward and backward) and the step must stay well under N^2 elements."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -166,3 +167,22 @@ def test_tiling_and_offload_name_what_a_model_lacks():
         tile_decoder_layers(Odd([torch.nn.Linear(2, 2)]), 0)
     with pytest.raises(ValueError, match=r"model: expected a decoder with `.model.layers`, got Odd"):
         checkpoint_layers(Odd([]))
+
+
+def test_expandable_segments_are_asked_for_only_before_cuda_and_never_over_the_users_choice(monkeypatch):
+    from fm_parallel.trainer import memory
+
+    for name in memory.ALLOCATOR_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not memory.prefer_expandable_segments() and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # no GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert not memory.prefer_expandable_segments() and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # too late
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync")
+    assert not memory.prefer_expandable_segments() and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # the user's
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    assert memory.prefer_expandable_segments()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert not memory.prefer_expandable_segments()  # set once; the second call sees it as set
