@@ -59,6 +59,18 @@ def test_max_context_runs_a_real_step_on_the_cpu(tmp_path):
     assert all(t["fits"] and "error" not in t for r in data["results"] for t in r["tried"])
 
 
+def test_max_context_marks_the_second_step_of_a_repeated_length_warm(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "bench" / "max_context.py"), "--models", "tiny", "--impls", "flashmask",
+         "--device", "cpu", "--lengths", "256", "256", "384", "--loss-chunk", "128", "--tile-chunk", "128",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tried = json.loads((tmp_path / "max_context.json").read_text())["results"][0]["tried"]
+    assert [(t["n"], t["warm"]) for t in tried] == [(256, False), (256, True), (384, False)]
+
+
 def test_max_context_merges_earlier_runs(tmp_path):
     rows = [{"model": "1b", "impl": "flashmask", "n": 1024, "fits": True, "step_s": 1.0, "tokens_per_s": 1024.0, "host_gib": 0.0,
              "offload_layers": 0, "peak_gib": 3.0},
