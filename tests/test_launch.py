@@ -86,22 +86,27 @@ def test_max_context_merges_earlier_runs(tmp_path):
     assert [(r["impl"], r["longest"], len(r["tried"])) for r in data["results"]] == [("flashmask", 1024, 2), ("sdpa_dense", 1024, 1)]
     md = (out / "max_context.md").read_text()
     assert "| 1b | flashmask | 1024 | 3.0 |" in md
-    assert "| 1b | sdpa_dense | 1024 | 1.0 |" in md  # the by-shape table
+    assert "| 1b | flashmask | 1024 | 1.0 | - | not recorded |" in md  # the by-shape table: 2048 failed
+    assert "| 1b | sdpa_dense | 1024 (at least: nothing longer tried) | 1.0 | - | not recorded |" in md
     assert (out / "max_context.png").exists() and (out / "max_context_shapes.png").exists()
 
 
-def test_max_context_by_shape_orders_shapes_and_marks_cut_searches():
+def test_max_context_by_shape_orders_shapes_and_marks_lower_bounds():
     sys.path.insert(0, str(ROOT / "launch" / "bench"))
     from max_context import by_shape
 
-    def result(model, impl, longest, stopped=None):
-        return {"model": model, "impl": impl, "longest": longest, "stopped": stopped,
-                "tried": [{"n": longest, "fits": True, "step_s": longest / 1000}, {"n": 2 * longest, "fits": False}]}
+    def result(model, impl, longest, stopped=None, failed=True, warm=None):
+        tried = [{"n": longest, "fits": True, "step_s": longest / 1000, "device": "GPU"}]
+        tried += [{"n": longest, "fits": True, "step_s": warm, "warm": True}] if warm else []
+        tried += [{"n": 2 * longest, "fits": False}] if failed else []
+        return {"model": model, "impl": impl, "longest": longest, "stopped": stopped, "tried": tried}
 
-    rows = by_shape([result("8b", "flex", 4096, stopped="time limit 60 s"), result("8b", "flashmask", 8192),
+    rows = by_shape([result("8b", "flex", 4096, stopped="time limit 60 s"), result("8b", "flashmask", 8192, failed=False, warm=5.0),
                      result("1b", "sdpa_dense", 2048), {"model": "1b", "impl": "flex", "longest": 0, "tried": []}])
-    assert [(r["model"], r["impl"], r["longest"], r["step_s"], r["cut_short"]) for r in rows] == [
-        ("1b", "sdpa_dense", 2048, 2.048, False), ("8b", "flashmask", 8192, 8.192, False), ("8b", "flex", 4096, 4.096, True)]
+    assert [(r["model"], r["impl"], r["longest"], r["step_s"], r["warm_s"], r["device"], r["lower_bound"]) for r in rows] == [
+        ("1b", "sdpa_dense", 2048, 2.048, None, "GPU", ""),
+        ("8b", "flashmask", 8192, 8.192, 5.0, "GPU", "nothing longer tried"),
+        ("8b", "flex", 4096, 4.096, None, "GPU", "search stopped: time limit 60 s")]
 
 
 def test_trainer_attention_benchmark_runs_on_the_cpu(tmp_path):

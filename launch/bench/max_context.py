@@ -196,7 +196,8 @@ def run(shape: str, impl: str, device, args) -> dict:
             static = torch.cuda.memory_allocated()
         policy = checkpoint_layers(model.get_base_model(), offload, every)
         row = {"model": shape, "impl": impl, "n": n, "checkpoint_every": every, "offload_layers": offload,
-               "compile": args.compile, "lora_compute": args.lora_compute}
+               "compile": args.compile, "lora_compute": args.lora_compute,
+               "device": torch.cuda.get_device_name(device) if cuda else device.type}
         try:
             seconds = _step(model, impl, n, device, args)
             row.update(fits=True, step_s=seconds, tokens_per_s=n / seconds)
@@ -349,24 +350,32 @@ def _plot(results: list[dict], path: Path) -> None:
 
 
 def by_shape(results: list[dict]) -> list[dict]:
-    """One row per (model shape, attention) that has a fitting length: the longest, its step seconds and
-    whether the search was cut short (then the length is a lower bound). Shapes and implementations in
-    the order of :data:`SHAPES` and :data:`IMPLS`."""
+    """One row per (model shape, attention) that has a fitting length: the longest, the seconds of the
+    first step there and of a warm one (None if no length was given twice), the device the rows name
+    ("" before rows named it), and why the length is only a lower bound, if it is: the search stopped
+    early, or no longer length was tried and failed (``lower_bound``: "" when a longer one failed).
+    Shapes and implementations in the order of :data:`SHAPES` and :data:`IMPLS`."""
     rows = []
     for shape in SHAPES:
         for impl in IMPLS:
             for r in results:
                 if r["model"] != shape or r["impl"] != impl or not r["longest"]:
                     continue
-                at = next(t for t in r["tried"] if t["n"] == r["longest"] and t["fits"])
-                rows.append({"model": shape, "impl": impl, "longest": r["longest"], "step_s": at["step_s"],
-                             "cut_short": bool(r.get("stopped"))})
+                at = [t for t in r["tried"] if t["n"] == r["longest"] and t["fits"]]
+                first = next((t for t in at if not t.get("warm")), at[0])
+                warm = [t["step_s"] for t in at if t.get("warm")]
+                rows.append({"model": shape, "impl": impl, "longest": r["longest"], "step_s": first["step_s"],
+                             "warm_s": min(warm) if warm else None, "device": first.get("device", ""),
+                             "lower_bound": f"search stopped: {r['stopped']}" if r.get("stopped") else
+                             "" if any(not t["fits"] and t["n"] > r["longest"] for t in r["tried"]) else
+                             "nothing longer tried"})
     return rows
 
 
-def _plot_by_shape(rows: list[dict], path: Path) -> None:
+def _plot_by_shape(rows: list[dict], path: Path, note: str = "") -> None:
     """The longest fitting length and the step time there against the model shape (:func:`by_shape`),
-    one bar per attention implementation; a search cut short is hatched (a lower bound)."""
+    one bar per attention implementation: the first step at that length, a warm step as a black dash
+    where one ran; a length that is only a lower bound is hatched. ``note``: a line under the titles."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -383,21 +392,31 @@ def _plot_by_shape(rows: list[dict], path: Path) -> None:
         for ax, value, text in ((a, r["longest"], f"{r['longest'] // 1024}k"), (b, r["step_s"], f"{r['step_s']:.0f} s")):
             label = None if (ax, r["impl"]) in labelled else r["impl"]
             labelled.add((ax, r["impl"]))
-            ax.bar(pos, value, width, color=f"C{k}", hatch="//" if r["cut_short"] else None, label=label)
+            ax.bar(pos, value, width, color=f"C{k}", hatch="//" if r["lower_bound"] and ax is a else None, label=label)
             ax.annotate(text, (pos, value), ha="center", va="bottom", fontsize=7)
+        if r["warm_s"] is not None:
+            b.hlines(r["warm_s"], pos - width / 2, pos + width / 2, colors="black", linewidth=2,
+                     label=None if "warm" in labelled else "warm step")
+            labelled.add("warm")
+            b.annotate(f"{r['warm_s']:.0f} s", (pos + width / 2, r["warm_s"]), ha="left", va="center", fontsize=7)
     a.set_yscale("log", base=2)
-    a.set_title("longest LoRA step that fits, tokens (hatched: search cut short)")
-    b.set_title("step time at that length, s")
+    a.set_title("longest LoRA step that fits, tokens (hatched: at least)")
+    b.set_title("step time at that length, s (bar: first step there)")
+    b.legend(fontsize=8)
+    if note:
+        import textwrap
+
+        fig.text(0.5, 0.01, textwrap.fill(note, 160), ha="center", va="bottom", fontsize=8)
     for ax in (a, b):
         ax.set_xticks(range(len(shapes)), [s.upper() for s in shapes])
         ax.set_xlabel("model shape")
         ax.grid(alpha=0.3, axis="y")
     a.legend(fontsize=8)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04 * (1 + len(note) // 160) if note else 0, 1, 1))
     fig.savefig(path, dpi=110)
 
 
-def _report(results: list[dict], out: Path, cmd: str) -> None:
+def _report(results: list[dict], out: Path, cmd: str, note: str = "") -> None:
     (out / "max_context.json").write_text(json.dumps({"command": cmd, "results": results}, indent=1))
     lines = ["| model | attention | longest step that fits | peak GiB there | host GiB there | layers offloaded | checkpoint every | step s (one step) | tokens/s (one step) | lengths tried (x: did not fit, r: refused by the plan) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -413,17 +432,21 @@ def _report(results: list[dict], out: Path, cmd: str) -> None:
                      f"| {r['model']} | {r['impl']} | {longest} | - | - | - | - | - | - | {tried} |")
     shapes = by_shape(results)
     lines += ["", "By model shape (`max_context_shapes.png`):", "",
-              "| model | attention | longest step that fits | step s there |", "|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['impl']} | {r['longest']}{' (lower bound: search cut short)' if r['cut_short'] else ''} | "
-              f"{r['step_s']:.1f} |" for r in shapes]
+              "| model | attention | longest step that fits | first step there, s | warm step, s | GPU |", "|---|---|---|---|---|---|"]
+    for r in shapes:
+        longest = f"{r['longest']}" + (f" (at least: {r['lower_bound']})" if r["lower_bound"] else "")
+        warm = "-" if r["warm_s"] is None else f"{r['warm_s']:.1f}"
+        lines.append(f"| {r['model']} | {r['impl']} | {longest} | {r['step_s']:.1f} | {warm} | {r['device'] or 'not recorded'} |")
+    if note:
+        lines += ["", note]
     _plot(results, out / "max_context.png")
-    _plot_by_shape(shapes, out / "max_context_shapes.png")
+    _plot_by_shape(shapes, out / "max_context_shapes.png", note)
     md = "\n".join(lines)
     (out / "max_context.md").write_text(f"# Longest LoRA step\n\n`{cmd}`\n\n{md}\n")
     print(md)
 
 
-def merge(paths: list[Path], out: Path, cmd: str) -> None:
+def merge(paths: list[Path], out: Path, cmd: str, note: str = "") -> None:
     """One table and plot from the per-length rows (``max_context.jsonl``) of several runs, grouped by
     model and attention; a group whose search was cut short says so in its ``stopped`` field when the
     run wrote one, else the lengths tried show where it ended."""
@@ -435,7 +458,7 @@ def merge(paths: list[Path], out: Path, cmd: str) -> None:
                 groups.setdefault((row["model"], row["impl"]), []).append(row)
     results = [{"model": m, "impl": i, "longest": max([r["n"] for r in rows if r["fits"]], default=0), "stopped": None,
                 "tried": rows} for (m, i), rows in groups.items()]
-    _report(results, out, cmd)
+    _report(results, out, cmd, note)
 
 
 def main() -> None:
@@ -471,6 +494,8 @@ def main() -> None:
     parser.add_argument("--host-gib", type=float, default=96.0, help="host memory the offloaded checkpoints may take")
     parser.add_argument("--time-limit", type=float, default=1e9, help="seconds per (model, attention) search; stops early")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
+    parser.add_argument("--note", default="", help="with --merge: a line under the plots and the table (where and "
+                                                    "when the merged rows ran, say)")
     parser.add_argument("--merge", nargs="+", type=Path, default=None,
                         help="no run: combine the max_context.jsonl rows of earlier runs into one table and plot")
     args = parser.parse_args()
@@ -481,7 +506,7 @@ def main() -> None:
     cmd = "python launch/bench/max_context.py " + " ".join(sys.argv[1:])
     if args.merge:
         args.out.mkdir(parents=True, exist_ok=True)
-        merge(args.merge, args.out, cmd)
+        merge(args.merge, args.out, cmd, args.note)
         return
     from fm_parallel.trainer.memory import prefer_expandable_segments
 
