@@ -184,6 +184,27 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
     ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_1m.toml --resume --output.stop_after 2 "
                              "--model.memory_plan fixed --model.checkpoint_every 3 --model.offload_layers 27"):
         Skip(GPU, "8B model at 1M tokens, resumed for its second step (run on the H100, 2026-12-05)"),
+    ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_1m.toml --output.stop_after 2"):
+        Skip(GPU, "8B model at 1M tokens, the plan the trainer chose, two steps and a checkpoint (run on the H100, 2026-12-05)"),
+    ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_1m.toml --resume"):
+        Skip(GPU, "8B model at 1M tokens, resumed for its third step (run on the H100, 2026-12-05)"),
+    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --lengths 262144 524288 524288 "
+                             "--calibrate 65536 131072 --host-gib 100"):
+        Skip(GPU, "8B model planned at 256k and 512k, 512k twice (run on the H100, 2026-12-05)"),
+    **{("docs/long-context.md", f"python launch/bench/max_context.py --models 8b --impls flashmask --lora-compute {dtype} "
+                                "--checkpoint-every 1 --offload 0 --lengths 131072 131072"):
+           Skip(GPU, f"8B model at 131k, LoRA products in {dtype}, two steps (run on the H100, 2026-12-05)")
+       for dtype in ("base", "float32")},
+    ("docs/long-context.md", "python launch/bench/max_context.py --models 1b --impls flashmask --lengths 2097152 "
+                             "--calibrate 131072 262144 --host-gib 100"):
+        Skip(GPU, "1B model planned and run at 2M tokens (run on the H100, 2026-12-05)"),
+    ("docs/long-context.md", "python launch/bench/max_context.py --merge docs/benchmarks/max_context_runs/1b_h100_2m.jsonl "
+                             "docs/benchmarks/max_context_runs/1b_flex.jsonl docs/benchmarks/max_context_runs/1b_sdpa_dense.jsonl "
+                             "docs/benchmarks/max_context_runs/8b_h100_auto_256k_512k_warm.jsonl "
+                             "docs/benchmarks/max_context_runs/8b_sdpa_dense.jsonl --out docs/benchmarks --note \"FlashMask: H100 80 GB, "
+                             "2026-12-05, today's code (asked only up to 2M / 512k here; the trainer ran 8B at 1M on that H100). "
+                             "Flex, SDPA: H200 139 GB, 2026-12-02, the code of then. 8B Flex: not measured.\""):
+        Run(expect="| 1b | flashmask | 2097152 (at least: nothing longer tried) | 72.9 | - |"),
     ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_512k.toml"):
         Skip(GPU, "8B model at 512k tokens, H200"),
     ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_1m.toml"):
