@@ -99,14 +99,15 @@ def lora_in_input_dtype(model) -> int:
 
     changed = 0
     for module in model.modules():
-        if not isinstance(module, LoraLayer) or module.lora_variant:  # a variant (DoRA, ...) takes peft's input cast
+        if not isinstance(module, LoraLayer) or getattr(module, "lora_variant", None):  # DoRA, ...: peft's own path
+            continue
+        factors = [f for d in (module.lora_A, module.lora_B) for f in d.values()]
+        if not factors or any(type(f) is not torch.nn.Linear for f in factors):  # conv or embedding LoRA: as peft made it
             continue
         module.cast_input_dtype_enabled = False
-        for factors in (module.lora_A, module.lora_B):
-            for factor in factors.values():
-                if type(factor) is torch.nn.Linear:  # a variant's own module (DoRA, ...) is left as peft made it
-                    factor.__class__ = _FactorInInputDtype
-                    changed += 1
+        for factor in factors:
+            factor.__class__ = _FactorInInputDtype
+        changed += len(factors)
     return changed
 
 
