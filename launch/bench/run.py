@@ -66,7 +66,7 @@ CATALOGUE = (
     Benchmark("trainer", "trainer", "trainer_attention.py", gpus=1, writes="trainer_h200.json / .md",
               what="the trainer's tokens/s with FlashMask vs Flex vs SDPA + dense mask, 1B at 32k-128k"),
     Benchmark("max-context", "long-context", "max_context.py", ("--models", "1b", "8b"), gpus=1,
-              writes="max_context.json / .md / .png", what="longest LoRA step that fits on one GPU, by attention"),
+              writes="max_context.json / .md / .png, max_context_shapes.png", what="longest LoRA step that fits on one GPU, by attention and model shape"),
     Benchmark("train-context", "long-context", "train_context.py",
               ("--nproc", "8", "--shape", "8b", "--cp", "ring", "--start", "262144"), gpus=8,
               writes="train_context_8b_ring_x8.json / .md / .png", what="longest sequence the trainer trains on P ranks with CP"),
