@@ -78,6 +78,15 @@ def step_started(device, policy) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def allocator_stats(device) -> dict:
+    """The CUDA caching allocator's view of ``device`` since the peak was last reset: ``reserved_gib``,
+    the most it reserved (above the peak allocated: fragmentation), and ``alloc_retries``, its flushes
+    so far (each frees every cached block and waits for the device: a run close to the GPU's memory
+    that slows down shows it here)."""
+    return {"alloc_retries": torch.cuda.memory_stats(device).get("num_alloc_retries", 0),
+            "reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+
+
 def step_record(step: int, loss: float, tokens: int, elapsed: float, lr: float, device, policy,
                 grad_norm: float | None = None, flops: float | None = None) -> dict:
     """One step's metrics (collective: the memory is the largest over the ranks, the one that decides
@@ -100,10 +109,7 @@ def step_record(step: int, loss: float, tokens: int, elapsed: float, lr: float, 
     record["memory_gib"] = memory.item()
     if device.type == "cuda":
         record["peak_gib"] = record["memory_gib"]  # the name earlier runs and scripts read
-        # The allocator's flushes so far (each frees every cached block and waits for the device): a run
-        # close to the GPU's memory that slows down shows it here (this rank's count).
-        record["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
-        record["reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30  # this rank's; above peak: fragmentation
+        record.update(allocator_stats(device))  # this rank's
     record.update(tokens_per_s=tokens / elapsed, step_s=elapsed)
     if policy is not None and policy.host_bytes:
         record["host_gib"] = policy.host_bytes / 2**30

@@ -176,6 +176,7 @@ def run(shape: str, impl: str, device, args) -> dict:
 
     from fm_parallel.trainer.flops import peak_tflops, step_flops
     from fm_parallel.trainer.memory import MemoryPlanError, checkpoint_layers
+    from fm_parallel.trainer.metrics import allocator_stats
 
     rows: list[dict] = []
     model = _model(shape, impl, device, args)
@@ -216,8 +217,7 @@ def run(shape: str, impl: str, device, args) -> dict:
         if cuda:
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             row["static_gib"] = static / 2**30
-            row["reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30  # above peak_gib: fragmentation
-            row["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+            row.update(allocator_stats(device))
             row["used"] = torch.cuda.max_memory_allocated() - static
         model.zero_grad(set_to_none=True)
         if cuda and not warm_next:  # the next step is at another length: its pinned blocks would not be reused
@@ -355,20 +355,17 @@ def by_shape(results: list[dict]) -> list[dict]:
     ("" before rows named it), and why the length is only a lower bound, if it is: the search stopped
     early, or no longer length was tried and failed (``lower_bound``: "" when a longer one failed).
     Shapes and implementations in the order of :data:`SHAPES` and :data:`IMPLS`."""
+    known = [r for r in results if r["longest"] and r["model"] in SHAPES and r["impl"] in IMPLS]
     rows = []
-    for shape in SHAPES:
-        for impl in IMPLS:
-            for r in results:
-                if r["model"] != shape or r["impl"] != impl or not r["longest"]:
-                    continue
-                at = [t for t in r["tried"] if t["n"] == r["longest"] and t["fits"]]
-                first = next((t for t in at if not t.get("warm")), at[0])
-                warm = [t["step_s"] for t in at if t.get("warm")]
-                rows.append({"model": shape, "impl": impl, "longest": r["longest"], "step_s": first["step_s"],
-                             "warm_s": min(warm) if warm else None, "device": first.get("device", ""),
-                             "lower_bound": f"search stopped: {r['stopped']}" if r.get("stopped") else
-                             "" if any(not t["fits"] and t["n"] > r["longest"] for t in r["tried"]) else
-                             "nothing longer tried"})
+    for r in sorted(known, key=lambda r: (list(SHAPES).index(r["model"]), IMPLS.index(r["impl"]))):
+        at = [t for t in r["tried"] if t["n"] == r["longest"] and t["fits"]]
+        first = next((t for t in at if not t.get("warm")), at[0])
+        warm = [t["step_s"] for t in at if t.get("warm")]
+        rows.append({"model": r["model"], "impl": r["impl"], "longest": r["longest"], "step_s": first["step_s"],
+                     "warm_s": min(warm) if warm else None, "device": first.get("device", ""),
+                     "lower_bound": f"search stopped: {r['stopped']}" if r.get("stopped") else
+                     "" if any(not t["fits"] and t["n"] > r["longest"] for t in r["tried"]) else
+                     "nothing longer tried"})
     return rows
 
 
