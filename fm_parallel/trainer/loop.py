@@ -94,7 +94,7 @@ def _train(cfg: Config, stopped) -> dict:
     policy, saved = model.checkpoint_policy, None
     for step in range(start, cfg.training.steps):
         t0 = time.perf_counter()
-        metrics.step_started(device, policy)
+        compiled_since = metrics.step_started(device, policy)
         rows = [next(stream) for _ in range(rows_per_step)]
         rows_done += len(rows)
         denom = objective.denominator(rows)
@@ -110,7 +110,8 @@ def _train(cfg: Config, stopped) -> dict:
             torch.cuda.synchronize(device)
         flops = rows_flops(cfg, model.get_base_model().config, rows) if device.type == "cuda" else None  # MFU: GPU only
         progress.update(log.append(metrics.step_record(step, local_loss.item(), len(rows) * cfg.data.seq_len,
-                                                       time.perf_counter() - t0, lr, device, policy, grad_norm, flops)))
+                                                       time.perf_counter() - t0, lr, device, policy, grad_norm, flops,
+                                                       compiled_since)))
         if held.due(step):
             progress.write(log.append(held.evaluate(objective, model, lay, device, step)))
         last = step == cfg.training.steps - 1

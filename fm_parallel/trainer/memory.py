@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -55,12 +56,16 @@ class CheckpointPolicy:
     ``offload_layers``: how many decoder layers (from the first) keep their checkpoint on the host;
     -1 means all (with ``every`` k, a segment's checkpoint is offloaded when its first layer is). ``host_bytes``: bytes of checkpointed inputs held in host memory since the last
     ``reset()`` (one step's offloaded checkpoints when reset per step; on a CPU run they are counted
-    though nothing moves).
+    though nothing moves). ``host_alloc_s``: seconds the host spent allocating those buffers since the
+    last ``reset()`` (pinning them, on a GPU: a block taken from torch's pinned cache costs nothing, a
+    new one is page-locked, which is why a process's first long step is slower; an upper bound on
+    what the step's wall time lost to it, as the GPU may still be busy with queued work meanwhile).
     """
 
     num_layers: int
     offload_layers: int = 0
     host_bytes: int = 0
+    host_alloc_s: float = 0.0
     every: int = 1  # layers per checkpoint (fixed when the layers are wrapped: call checkpoint_layers again)
 
     def offloads(self, index: int) -> bool:
@@ -68,6 +73,7 @@ class CheckpointPolicy:
 
     def reset(self) -> None:
         self.host_bytes = 0
+        self.host_alloc_s = 0.0
 
 
 class HostOffload(torch.autograd.graph.saved_tensors_hooks):
@@ -85,7 +91,9 @@ class HostOffload(torch.autograd.graph.saved_tensors_hooks):
             policy.host_bytes += t.numel() * t.element_size()
             if t.device.type == "cpu":
                 return None, t, None
+            began = time.perf_counter()
             host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
+            policy.host_alloc_s += time.perf_counter() - began
             if t.device.type != "cuda":
                 host.copy_(t)
                 return t.device, host, None

@@ -26,7 +26,7 @@ from fm_parallel.trainer.config import Config, ConfigError
 from fm_parallel.trainer.data import Row
 
 __all__ = ["MetricsLog", "Progress", "HeldOut", "Loggers", "row_digest", "memory_gib", "ema", "step_started", "step_record",
-           "plot", "finish"]
+           "compile_seconds", "first_step_costs", "plot", "finish"]
 
 
 def _logged_step(line: str) -> int:
@@ -70,12 +70,39 @@ class MetricsLog:
             self.loggers.close()
 
 
-def step_started(device, policy) -> None:
-    """A step begins: its peak memory is counted from here, the checkpoint policy's host bytes too."""
+def step_started(device, policy) -> float:
+    """A step begins: its peak memory is counted from here, the checkpoint policy's host bytes too.
+    Returns :func:`compile_seconds` so far, for the step's record (``compiled_since``)."""
     if policy is not None:
         policy.reset()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    return compile_seconds()
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent in ``torch.compile`` so far (tracing and code generation, forward
+    and backward graphs: dynamo's own ``total_wall_time``; 0.0 where this torch does not count it). A
+    step's share is the difference across it: what makes the first step at a new shape slower."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        return float(calculate_time_spent().get("total_wall_time", 0.0))
+    except Exception:  # noqa: BLE001 - a private counter: its absence must not stop training
+        return 0.0
+
+
+def first_step_costs(policy, compiled_since: float | None) -> dict:
+    """What a step spent outside its computation, where nonzero: ``compile_s`` (``torch.compile``
+    since ``compiled_since``) and ``host_alloc_s`` (allocating the offloaded checkpoints' host buffers,
+    :class:`~fm_parallel.trainer.memory.CheckpointPolicy`). Both are paid by a process's first step at a
+    length and shrink to about zero on the next."""
+    costs = {}
+    if compiled_since is not None and compile_seconds() - compiled_since > 0:
+        costs["compile_s"] = compile_seconds() - compiled_since
+    if policy is not None and policy.host_alloc_s:
+        costs["host_alloc_s"] = policy.host_alloc_s
+    return costs
 
 
 def allocator_stats(device) -> dict:
@@ -88,12 +115,14 @@ def allocator_stats(device) -> dict:
 
 
 def step_record(step: int, loss: float, tokens: int, elapsed: float, lr: float, device, policy,
-                grad_norm: float | None = None, flops: float | None = None) -> dict:
+                grad_norm: float | None = None, flops: float | None = None,
+                compiled_since: float | None = None) -> dict:
     """One step's metrics (collective: the memory is the largest over the ranks, the one that decides
     whether a length fits; :func:`memory_gib`). ``policy``: the model's checkpoint policy (host bytes);
     ``grad_norm``: the world's gradient norm before clipping (``clip_grad_norm_``'s return); ``flops``:
     what the whole step computed (:func:`~fm_parallel.trainer.flops.rows_flops`): on a GPU the record
-    gets ``tflops`` per GPU and ``mfu``, their share of the GPU's dense bf16 peak."""
+    gets ``tflops`` per GPU and ``mfu``, their share of the GPU's dense bf16 peak; ``compiled_since``:
+    :func:`step_started`'s return (the record gets :func:`first_step_costs`, this rank's)."""
     record = {"step": step, "loss": loss, "lr": lr}
     if flops and device.type == "cuda":
         from fm_parallel.trainer.flops import peak_tflops
@@ -113,6 +142,7 @@ def step_record(step: int, loss: float, tokens: int, elapsed: float, lr: float, 
     record.update(tokens_per_s=tokens / elapsed, step_s=elapsed)
     if policy is not None and policy.host_bytes:
         record["host_gib"] = policy.host_bytes / 2**30
+    record.update(first_step_costs(policy, compiled_since))
     return record
 
 

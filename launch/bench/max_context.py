@@ -176,7 +176,7 @@ def run(shape: str, impl: str, device, args) -> dict:
 
     from fm_parallel.trainer.flops import peak_tflops, step_flops
     from fm_parallel.trainer.memory import MemoryPlanError, checkpoint_layers
-    from fm_parallel.trainer.metrics import allocator_stats
+    from fm_parallel.trainer.metrics import allocator_stats, compile_seconds, first_step_costs
 
     rows: list[dict] = []
     model = _model(shape, impl, device, args)
@@ -199,6 +199,7 @@ def run(shape: str, impl: str, device, args) -> dict:
         row = {"model": shape, "impl": impl, "n": n, "checkpoint_every": every, "offload_layers": offload,
                "compile": args.compile, "lora_compute": args.lora_compute,
                "device": torch.cuda.get_device_name(device) if cuda else device.type}
+        compiled_since = compile_seconds()
         try:
             seconds = _step(model, impl, n, device, args)
             row.update(fits=True, step_s=seconds, tokens_per_s=n / seconds)
@@ -214,6 +215,7 @@ def run(shape: str, impl: str, device, args) -> dict:
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             row["fits"] = False
         row["host_gib"] = policy.host_bytes / 2**30
+        row.update(first_step_costs(policy, compiled_since))  # what a first step at this length pays, apart
         if cuda:
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             row["static_gib"] = static / 2**30

@@ -221,3 +221,33 @@ def test_eval_is_the_same_under_data_and_context_parallelism(tmp_path):
         assert losses == pytest.approx(want_losses, rel=2e-5), got
         # A margin is a small difference of large float32 log-prob sums: compared absolutely.
         assert margins == pytest.approx(want_margins, abs=1e-5), got
+
+
+@pytest.mark.skipif(not any(__import__("shutil").which(c) for c in ("g++", "c++", "clang++")),
+                    reason="torch.compile on the CPU needs a C++ compiler")
+def test_the_first_step_says_what_it_spent_compiling_and_the_next_does_not(tmp_path):
+    """The records split off what only a process's first step pays (issue 33.3: a first step at 512k
+    was 24 s slower than the next). Through the trainer's CLI with the per-token parts compiled."""
+    out = tmp_path / "run"
+    proc = trainer(*TINY, "--data.seq_len", "256", "--training.steps", "2", "--model.tile_chunk", "64",
+                   "--model.compile", "on", "--model.offload_layers", "1", "--output.dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = _records(out)
+    assert first["compile_s"] > 0.5  # dynamo traced and inductor built the tiled parts' graphs
+    assert second.get("compile_s", 0.0) < first["compile_s"] / 10  # the same shapes: nothing new to compile
+    # On a CPU the offloaded checkpoint stays where it is: nothing allocated, so no host_alloc_s.
+    assert "host_alloc_s" not in first and first["host_gib"] > 0
+
+
+def test_first_step_costs_reads_the_policy_and_the_compile_counter(monkeypatch):
+    from fm_parallel.trainer import metrics
+    from fm_parallel.trainer.memory import CheckpointPolicy
+
+    spent = iter([3.0, 10.0, 10.0])
+    monkeypatch.setattr(metrics, "compile_seconds", lambda: next(spent))
+    policy = CheckpointPolicy(num_layers=2, offload_layers=1)
+    since = metrics.step_started(torch.device("cpu"), policy)
+    policy.host_alloc_s = 1.5
+    assert metrics.first_step_costs(policy, since) == {"compile_s": 7.0, "host_alloc_s": 1.5}
+    policy.reset()
+    assert policy.host_alloc_s == 0.0 and metrics.first_step_costs(policy, None) == {}
