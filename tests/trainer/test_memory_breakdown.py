@@ -230,3 +230,17 @@ def test_static_terms_count_a_shared_storage_once():
     out = static_terms(tied)
     assert out["trainable_params_gib"] * GIB == 8 * 8 * 4
     assert static_terms(view)["buffers_gib"] * GIB == 64 * 4
+
+
+def test_record_needs_cuda_and_the_history_api_takes_our_keywords():
+    import inspect
+
+    from fm_parallel.trainer.memory_breakdown import record
+
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        with record("cpu"):
+            pass
+    # The keywords record() passes (torch 2.13 here; the GPU image's 2.11 has the same signature).
+    names = inspect.signature(torch.cuda.memory._record_memory_history).parameters
+    assert {"enabled", "context", "stacks", "max_entries", "clear_history"} <= set(names)
+    assert "device" in inspect.signature(torch.cuda.memory._snapshot).parameters
