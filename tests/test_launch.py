@@ -71,6 +71,17 @@ def test_max_context_marks_the_second_step_of_a_repeated_length_warm(tmp_path):
     assert [(t["n"], t["warm"]) for t in tried] == [(256, False), (256, True), (384, False)]
 
 
+def test_max_context_memory_breakdown_needs_cuda(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "bench" / "max_context.py"), "--models", "tiny", "--impls", "flashmask",
+         "--device", "cpu", "--lengths", "256", "--memory-breakdown", "256", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr  # argparse's usage error, before any model is built
+    assert "--memory-breakdown: needs a CUDA --device" in proc.stderr and "got --device cpu" in proc.stderr
+    assert not (tmp_path / "max_context.json").exists() and not (tmp_path / "max_context_memory.json").exists()
+
+
 def test_max_context_merges_earlier_runs(tmp_path):
     rows = [{"model": "1b", "impl": "flashmask", "n": 1024, "fits": True, "step_s": 1.0, "tokens_per_s": 1024.0, "host_gib": 0.0,
              "offload_layers": 0, "peak_gib": 3.0},

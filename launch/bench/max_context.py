@@ -2,6 +2,8 @@
 
     python launch/bench/max_context.py --models 1b 8b                      # on the H200
     python launch/bench/max_context.py --models tiny --device cpu --max 8192  # mechanics check on a CPU
+    python launch/bench/max_context.py --models 8b --impls flashmask --memory-breakdown 1048576 --time-limit 0
+        # what one 1M step's peak memory is made of (max_context_memory.json; --time-limit 0: no search after it)
 
 For each model shape (random weights, bf16 on GPU, LoRA rank 16 on the attention projections) and
 each attention implementation, the length doubles from --start while a step fits, then bisects
@@ -249,6 +251,12 @@ def run(shape: str, impl: str, device, args) -> dict:
         (args.out / "max_context_profile.json").write_text(json.dumps(profile, indent=1))
         model.zero_grad(set_to_none=True)
 
+    memory = None
+    if args.memory_breakdown and cuda:  # like the profile: first, so that a run cut by its time limit still has it
+        memory = memory_breakdown_step(model, shape, impl, planner, device, args)
+        model.zero_grad(set_to_none=True)
+        _empty_host_cache()
+
     def fits(n: int, warm_next: bool = False) -> bool:
         if time.perf_counter() - began > args.time_limit:
             raise _TimeUp
@@ -283,7 +291,58 @@ def run(shape: str, impl: str, device, args) -> dict:
         longest = max([r["n"] for r in rows if r["fits"]], default=0)
     del model
     return {"model": shape, "impl": impl, "longest": longest, "stopped": stopped, "calibration": calibration,
-            "tried": rows, "profile": profile}
+            "tried": rows, "profile": profile, "memory": memory}
+
+
+def memory_breakdown_step(model, shape: str, impl: str, planner: Planner, device, args) -> dict:
+    """One step of ``args.memory_breakdown`` tokens (planned like the others, no warm step before it:
+    at 1M one step is what we can afford) under the CUDA allocator's history
+    (:mod:`fm_parallel.trainer.memory_breakdown`): what its peak is made of, term by term, beside the
+    plan's prediction and the static terms measured on the model. Written to max_context_memory.json.
+    A step that runs out of memory still gives its breakdown (``fits`` false, the failed request in
+    ``oom``): what filled the device until then."""
+    import gc
+
+    from fm_parallel.trainer.memory import MemoryPlanError, checkpoint_layers
+    from fm_parallel.trainer.memory_breakdown import peak_breakdown, record, static_terms
+
+    n = args.memory_breakdown
+    gc.collect()
+    torch.cuda.empty_cache()
+    try:
+        plan = planner.plan(n, torch.cuda.memory_allocated(device))
+    except MemoryPlanError as e:
+        raise SystemExit(f"error: --memory-breakdown {n}: the memory plan refuses this length: {e}")
+    policy = checkpoint_layers(model.get_base_model(), plan.offload_layers, plan.every)
+    static = static_terms(model, device=device)
+    torch.cuda.reset_peak_memory_stats(device)
+    error, seconds = None, None
+    with record(device) as rec:
+        try:
+            seconds = _step(model, impl, n, device, args)
+        except Exception as e:  # noqa: BLE001 - out of memory is an answer too (the trace shows what filled the device)
+            if not _is_oom(e):
+                raise
+            error = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    out = {"model": shape, "impl": impl, "n": n, "checkpoint_every": plan.every, "offload_layers": plan.offload_layers,
+           "device": torch.cuda.get_device_name(device), "fits": error is None, "step_s": seconds,
+           "planned_device_gib": plan.device_bytes / 2**30 if plan.device_bytes else None,
+           "planned_host_gib": plan.host_bytes / 2**30 if plan.device_bytes else None,
+           "host_gib": policy.host_bytes / 2**30,
+           "max_memory_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+           **peak_breakdown(rec.snapshot, rec.start_bytes, rec.device_index, max_entries=rec.max_entries),
+           "static": static,
+           # _step makes its AdamW per step: no state before the step (static has none); its state is
+           # allocated in optim.step(), after the backward, and freed with the step.
+           "optimizer": "made per step by _step (AdamW over the LoRA parameters): its state is allocated by "
+                        "optim.step() inside the recorded step (a term under launch/bench/max_context.py:_step), "
+                        "not held before it"}
+    if error:
+        out["error"] = error
+    del rec  # the snapshot's Python objects (one per trace entry) can take GBs of host memory
+    print(json.dumps(out), flush=True)
+    (args.out / "max_context_memory.json").write_text(json.dumps(out, indent=1))
+    return out
 
 
 # Kernel names -> what they do, first match wins (CUDA time summed per kind in profile_step).
@@ -479,6 +538,11 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=None, metavar="N",
                         help="first, profile one step of N tokens (planned like the others, after one warm step): CUDA "
                              "time by kind of kernel, written to max_context_profile.json")
+    parser.add_argument("--memory-breakdown", type=int, default=None, metavar="N",
+                        help="first (after --profile), one step of N tokens (planned like the others, no warm step) "
+                             "under the CUDA allocator's history: its peak memory term by term (the line of ours "
+                             "that allocated it) beside the plan and the weights / adapters measured, written to "
+                             "max_context_memory.json; needs a CUDA --device")
     parser.add_argument("--offload", default="auto",
                         help="layers whose checkpoint lives on the host: auto (planned: just enough to fit), -1 (all) or a count")
     parser.add_argument("--checkpoint-every", default="auto",
@@ -502,6 +566,10 @@ def main() -> None:
         value = getattr(args, name)
         if value != "auto" and not value.lstrip("-").isdigit():
             parser.error(f"--{name.replace('_', '-')}: expected auto or an integer, got {value!r}")
+    if args.memory_breakdown is not None and args.memory_breakdown <= 0:
+        parser.error(f"--memory-breakdown: expected a positive number of tokens, got {args.memory_breakdown}")
+    if args.memory_breakdown is not None and not args.merge and not args.device.startswith("cuda"):
+        parser.error(f"--memory-breakdown: needs a CUDA --device (it reads the CUDA allocator's history), got --device {args.device}")
     cmd = "python launch/bench/max_context.py " + " ".join(sys.argv[1:])
     if args.merge:
         args.out.mkdir(parents=True, exist_ok=True)
