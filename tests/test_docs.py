@@ -185,9 +185,16 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
                              "--model.memory_plan fixed --model.checkpoint_every 3 --model.offload_layers 27"):
         Skip(GPU, "8B model at 1M tokens, resumed for its second step (run on the H100, 2026-12-05)"),
     ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_1m.toml --output.stop_after 2"):
-        Skip(GPU, "8B model at 1M tokens, the plan the trainer chose, two steps and a checkpoint (run on the H100, 2026-12-05)"),
+        Skip(GPU, "8B model at 1M tokens, the plan the trainer chose, two steps and a checkpoint (run on the H200, 2026-12-06, "
+                  "and the H100, 2026-12-05)"),
     ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_1m.toml --resume"):
-        Skip(GPU, "8B model at 1M tokens, resumed for its third step (run on the H100, 2026-12-05)"),
+        Skip(GPU, "8B model at 1M tokens, resumed for its third step (run on the H200, 2026-12-06, and the H100, 2026-12-05)"),
+    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --lengths 262144 524288 524288 "
+                             "--calibrate 65536 131072"):
+        Skip(GPU, "8B model planned at 256k and 512k, 512k twice (run on the H200, 2026-12-06)"),
+    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --profile 524288 --lengths 524288 "
+                             "--time-limit 0 --calibrate 65536 131072"):
+        Skip(GPU, "8B model, a profiled warm step at 512k with 9 layers offloaded (run on the H200, 2026-12-06)"),
     ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --lengths 262144 524288 524288 "
                              "--calibrate 65536 131072 --host-gib 100"):
         Skip(GPU, "8B model planned at 256k and 512k, 512k twice (run on the H100, 2026-12-05)"),
@@ -200,11 +207,11 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
         Skip(GPU, "1B model planned and run at 2M tokens (run on the H100, 2026-12-05)"),
     ("docs/long-context.md", "python launch/bench/max_context.py --merge docs/benchmarks/max_context_runs/1b_h100_2m.jsonl "
                              "docs/benchmarks/max_context_runs/1b_flex.jsonl docs/benchmarks/max_context_runs/1b_sdpa_dense.jsonl "
-                             "docs/benchmarks/max_context_runs/8b_h100_auto_256k_512k_warm.jsonl "
-                             "docs/benchmarks/max_context_runs/8b_sdpa_dense.jsonl --out docs/benchmarks --note \"FlashMask: H100 80 GB, "
-                             "2026-12-05, today's code (asked only up to 2M / 512k here; the trainer ran 8B at 1M on that H100). "
-                             "Flex, SDPA: H200 139 GB, 2026-12-02, the code of then. 8B Flex: not measured.\""):
-        Run(expect="| 1b | flashmask | 2097152 (at least: nothing longer tried) | 72.9 | - |"),
+                             "docs/benchmarks/max_context_runs/8b_h200_auto_256k_512k_warm.jsonl "
+                             "docs/benchmarks/max_context_runs/8b_sdpa_dense.jsonl --out docs/benchmarks --note \"FlashMask 8B: H200, "
+                             "2026-12-06; FlashMask 1B: H100 80 GB, 2026-12-05 (both today's code, asked only up to 512k / 2M; the "
+                             "trainer ran 8B at 1M on the H200). Flex, SDPA: H200, 2026-12-02, the code of then. 8B Flex: not measured.\""):
+        Run(expect="| 8b | flashmask | 524288 (at least: nothing longer tried) | 63.8 | 48.2 | NVIDIA H200 |"),
     ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_512k.toml"):
         Skip(GPU, "8B model at 512k tokens, H200"),
     ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_1m.toml"):
