@@ -98,8 +98,9 @@ def first_step_costs(policy, compiled_since: float | None) -> dict:
     :class:`~fm_parallel.trainer.memory.CheckpointPolicy`). Both are paid by a process's first step at a
     length and shrink to about zero on the next."""
     costs = {}
-    if compiled_since is not None and compile_seconds() - compiled_since > 0:
-        costs["compile_s"] = compile_seconds() - compiled_since
+    compiled = compile_seconds() - compiled_since if compiled_since is not None else 0.0
+    if compiled > 0:
+        costs["compile_s"] = compiled
     if policy is not None and policy.host_alloc_s:
         costs["host_alloc_s"] = policy.host_alloc_s
     return costs
