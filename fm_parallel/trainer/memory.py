@@ -252,8 +252,10 @@ def plan_memory(n: int, *, layers: int, hidden: int, itemsize: int, fixed_bytes:
     calibration keeps every checkpoint there); the host holds ``c``. Measured against it: 512k,
     ``every`` 1, 24 of 32 offloaded: 70.8 GiB planned, 71.1 measured; 1M, ``every`` 3, 9 of 11
     offloaded: 82.7 planned, 66.2 measured (H100, docs/long-context.md).
-    Candidates go from the least recompute (``every`` 1, then 2, ...) and, for each, the fewest
-    offloaded checkpoints (host copies cost time). ``every`` / ``offload_layers`` given: fixed.
+    Candidates go from ``every`` 1 (no recompute beyond the tiled layers' own), then 2, 3, ... (each
+    costs the same one more forward of every layer: the order among them only trades device memory
+    for host copies; docs/long-context.md) and, for each, the fewest offloaded checkpoints (host
+    copies cost time). ``every`` / ``offload_layers`` given: fixed.
     Raises :class:`MemoryPlanError` naming the smallest device and host memory any plan needs."""
     if n < 1:
         raise ValueError(f"n: expected a length >= 1, got {n}")
