@@ -2,8 +2,6 @@
 
     python launch/bench/max_context.py --models 1b 8b                      # on the H200
     python launch/bench/max_context.py --models tiny --device cpu --max 8192  # mechanics check on a CPU
-    python launch/bench/max_context.py --models 8b --impls flashmask --memory-breakdown 1048576 --time-limit 0
-        # what one 1M step's peak memory is made of (max_context_memory.json; --time-limit 0: no search after it)
 
 For each model shape (random weights, bf16 on GPU, LoRA rank 16 on the attention projections) and
 each attention implementation, the length doubles from --start while a step fits, then bisects

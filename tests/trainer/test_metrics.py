@@ -5,6 +5,7 @@ built-in DPO samples a small model can learn from (the CPU demo)."""
 import json
 import math
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -223,7 +224,7 @@ def test_eval_is_the_same_under_data_and_context_parallelism(tmp_path):
         assert margins == pytest.approx(want_margins, abs=1e-5), got
 
 
-@pytest.mark.skipif(not any(__import__("shutil").which(c) for c in ("g++", "c++", "clang++")),
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
                     reason="torch.compile on the CPU needs a C++ compiler")
 def test_the_first_step_says_what_it_spent_compiling_and_the_next_does_not(tmp_path):
     """The records split off what only a process's first step pays (issue 33.3: a first step at 512k
