@@ -259,6 +259,18 @@ def test_every_benchmark_summarises_repeats_one_way():
         spread([])
 
 
+def test_every_benchmark_reports_a_failure_one_way():
+    """A row's error: the type and the message's first line, cut at the limit; no message, no crash (the
+    mask-churn rows of kernel.py indexed the first line of an empty message)."""
+    from launch.bench.harness import error_line
+
+    assert error_line(torch.cuda.OutOfMemoryError("CUDA out of memory.\nTried to allocate 8 GiB")) == \
+        "OutOfMemoryError: CUDA out of memory."
+    assert error_line(RuntimeError()) == "RuntimeError: "
+    assert error_line(ValueError("x" * 300), 200) == "ValueError: " + "x" * 200
+    assert len(error_line(ValueError("x" * 300))) == len("ValueError: ") + 160
+
+
 def test_cp_layer_cost_decoder_rest_trains_only_the_adapters_through_every_projection():
     """``cp_layer_cost.py --decoder-rest`` times the rest of a LoRA-trained decoder layer: every one of
     the seven projections runs forward and backward (k and v reach the output through the stand-in for

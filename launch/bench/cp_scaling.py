@@ -34,7 +34,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from launch.bench.harness import DTYPES, init_ranks, spread  # noqa: E402
+from launch.bench.harness import DTYPES, error_line, init_ranks, spread  # noqa: E402
 
 
 
@@ -191,7 +191,7 @@ def main() -> None:
                             row["efficiency_fwdbwd"] = row["fwdbwd_tflops_per_gpu"] / row["single_fwdbwd_tflops"]
                             row["exposed_fwdbwd_s"] = row["fwdbwd_s"]["median"] - single["fwdbwd_s"]["median"] / world * imbalance
                     except Exception as e:  # noqa: BLE001 - a mode that cannot run this size is reported
-                        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                        row["error"] = error_line(e, 200)
                     rows.append(row)
                     if rank == 0:
                         print(json.dumps(row), flush=True)

@@ -2,6 +2,7 @@
 the same way (BENCHMARKING.md).
 
 * :func:`spread`: repeated measurements summarised one way, min / median / max;
+* :func:`error_line`: a failure reported in a row (a peer that cannot run a case, a step out of memory);
 * :func:`init_ranks`, :data:`DTYPES`: the process group of the multi-rank scripts (cp_scaling.py,
   tests/gpu/multi_gpu.py) under torchrun, and the ``--dtype`` names;
 * :func:`throughput_vs_length`: the throughput-against-length plot of the training benchmarks
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["spread", "DTYPES", "init_ranks", "throughput_vs_length"]
+__all__ = ["spread", "error_line", "DTYPES", "init_ranks", "throughput_vs_length"]
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -33,6 +34,13 @@ def spread(times: Iterable[float]) -> dict:
     if not times:
         raise ValueError("times: expected at least one measurement, got none")
     return {"min": min(times), "median": statistics.median(times), "max": max(times), "repeats": len(times)}
+
+
+def error_line(e: BaseException, limit: int = 160) -> str:
+    """``"Type: first line of the message"`` (at most ``limit`` characters of it): how a row says what
+    failed, short enough for a table cell; an exception with no message gives its type alone."""
+    text = str(e)
+    return f"{type(e).__name__}: {text.splitlines()[0][:limit] if text else ''}"
 
 
 # ------------------------------------------------------------------------------------------- ranks

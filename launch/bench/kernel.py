@@ -36,7 +36,7 @@ from fm_parallel import flashmask_attention, masks  # noqa: E402
 from fm_parallel.masks.flashmask import FlashMask  # noqa: E402
 from fm_parallel.kernels.triton_flashmask import config_for  # noqa: E402
 from fm_parallel.kernels.plan import build_plans, build_plans_consecutive  # noqa: E402
-from launch.bench.harness import spread  # noqa: E402
+from launch.bench.harness import error_line, spread  # noqa: E402
 
 MASKS = ("causal", "docs", "dpo", "sliding", "prefix", "multi", "window_sinks", "global_window")
 
@@ -105,7 +105,7 @@ def measure(label, fwd, q, k, v, do, pairs, heads, d, quick, with_bwd=True):
             row.update(fwdbwd_ms=t2["median"], fwdbwd_ms_min=t2["min"], fwdbwd_ms_max=t2["max"],
                        fwdbwd_tflops=3.5 * 4 * heads * d * pairs / t2["median"] / 1e9)
     except Exception as e:  # a peer that cannot run this case is reported, not fatal
-        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        row["error"] = error_line(e)
         torch.cuda.empty_cache()
     return row
 
@@ -353,7 +353,7 @@ def main() -> None:
             try:
                 churn.append(mask_churn(n, args.heads, impl))
             except Exception as e:  # reported like a peer that cannot run, the tables still get written
-                churn.append({"impl": impl, "n": n, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
+                churn.append({"impl": impl, "n": n, "error": error_line(e)})
             print(json.dumps(churn[-1]), flush=True)
     prep_ms("docs", 4096, 128)  # compiles the Triton plan builders: not part of any N's figure
     for n in sorted({n for _, n, _ in cases}):

@@ -27,6 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from launch.bench.harness import error_line  # noqa: E402
+
 SHAPES = {
     "tiny": dict(hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128, vocab=258),
     "1b": dict(hidden_size=2048, layers=16, heads=32, kv_heads=8, intermediate_size=8192, vocab=128256),
@@ -212,7 +214,7 @@ def run(shape: str, impl: str, device, args) -> dict:
                     row["mfu"] = row["tflops_per_s"] / peak
         except Exception as e:  # noqa: BLE001 - out of memory is the answer we look for; others are reported
             if not _is_oom(e):
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                row["error"] = error_line(e)
             row["fits"] = False
         row["host_gib"] = policy.host_bytes / 2**30
         row.update(first_step_costs(policy, compiled_since))  # what a first step at this length pays, apart
@@ -321,7 +323,7 @@ def memory_breakdown_step(model, shape: str, impl: str, planner: Planner, device
         except Exception as e:  # noqa: BLE001 - out of memory is an answer too (the trace shows what filled the device)
             if not _is_oom(e):
                 raise
-            error = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            error = error_line(e)
     out = {"model": shape, "impl": impl, "n": n, "checkpoint_every": plan.every, "offload_layers": plan.offload_layers,
            "device": torch.cuda.get_device_name(device), "fits": error is None, "step_s": seconds,
            "planned_device_gib": plan.device_bytes / 2**30 if plan.device_bytes else None,
