@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Recording", "record", "peak_breakdown", "static_terms", "DEFAULT_MAX_ENTRIES"]
+__all__ = ["Recording", "record", "peak_breakdown", "static_terms", "recording_conflict", "DEFAULT_MAX_ENTRIES"]
 
 GIB = 2**30
 # Trace entries kept (a ring buffer: past this, the oldest are overwritten and the replay cannot see
@@ -99,6 +99,27 @@ def record(device, max_entries: int = DEFAULT_MAX_ENTRIES, context: str = "all",
             rec.snapshot = torch.cuda.memory._snapshot(device)
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
+
+
+# torch's own bug (pytorch/pytorch#179536, open; a regression in 2.11): with the allocator's history on,
+# code compiled by torch.compile that runs inside a non-reentrant checkpoint's recompute fails with
+# this message instead of running. Met on the H200 (torch 2.11) with a checkpoint every 2 layers
+# and the compiled per-token parts, at 64k and 1M tokens; a checkpoint per layer ran.
+_CHECKPOINT_RECOMPUTE_BUG = "returned NULL without setting an exception"
+
+
+def recording_conflict(error: str, checkpoint_every: int, compiled: bool) -> str | None:
+    """Why a step failed under :func:`record` when the failure is torch's known conflict between the
+    allocator's history and compiled code recomputed by a checkpoint (``error``: the step's error
+    line; ``checkpoint_every`` and ``compiled``: the run's settings), with what to do; None for any
+    other failure. Not a measurement of the step: the same step runs without the recording."""
+    if _CHECKPOINT_RECOMPUTE_BUG not in error or checkpoint_every <= 1 or not compiled:
+        return None
+    return (f"torch's allocator history cannot record compiled code run inside a checkpoint's recompute "
+            f"(pytorch/pytorch#179536, torch {torch.__version__}); this step has a checkpoint every "
+            f"{checkpoint_every} layers and compiled per-token parts. The step itself runs without the "
+            f"recording. To record one: --compile off (eager per-token parts: their memory differs), or a "
+            f"length whose plan keeps a checkpoint per layer")
 
 
 def _ours(filename: str) -> str | None:

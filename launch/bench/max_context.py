@@ -299,12 +299,14 @@ def memory_breakdown_step(model, shape: str, impl: str, planner: Planner, device
     at 1M one step is what we can afford) under the CUDA allocator's history
     (:mod:`fm_parallel.trainer.memory_breakdown`): what its peak is made of, term by term, beside the
     plan's prediction and the static terms measured on the model. Written to max_context_memory.json.
-    A step that runs out of memory still gives its breakdown (``fits`` false, the failed request in
-    ``oom``): what filled the device until then."""
+    A step that fails still gives its breakdown of what filled the device until then: out of memory
+    (``fits`` false, the failed request in ``oom``) or any other error (``fits`` None, the error line
+    in ``error``, and in ``hint`` what to do when it is torch's known conflict with the recording)."""
     import gc
 
     from fm_parallel.trainer.memory import MemoryPlanError, checkpoint_layers
-    from fm_parallel.trainer.memory_breakdown import peak_breakdown, record, static_terms
+    from fm_parallel.trainer.memory_breakdown import peak_breakdown, record, recording_conflict, static_terms
+    from fm_parallel.trainer.model import compiles
 
     n = args.memory_breakdown
     gc.collect()
@@ -316,16 +318,15 @@ def memory_breakdown_step(model, shape: str, impl: str, planner: Planner, device
     policy = checkpoint_layers(model.get_base_model(), plan.offload_layers, plan.every)
     static = static_terms(model, device=device)
     torch.cuda.reset_peak_memory_stats(device)
-    error, seconds = None, None
+    error, seconds, fits = None, None, True
     with record(device) as rec:
         try:
             seconds = _step(model, impl, n, device, args)
-        except Exception as e:  # noqa: BLE001 - out of memory is an answer too (the trace shows what filled the device)
-            if not _is_oom(e):
-                raise
+        except Exception as e:  # noqa: BLE001 - a failed step is an answer too (the trace shows what filled the device)
             error = error_line(e)
+            fits = False if _is_oom(e) else None  # another failure says nothing about fitting
     out = {"model": shape, "impl": impl, "n": n, "checkpoint_every": plan.every, "offload_layers": plan.offload_layers,
-           "device": torch.cuda.get_device_name(device), "fits": error is None, "step_s": seconds,
+           "device": torch.cuda.get_device_name(device), "fits": fits, "step_s": seconds,
            "planned_device_gib": plan.device_bytes / 2**30 if plan.device_bytes else None,
            "planned_host_gib": plan.host_bytes / 2**30 if plan.device_bytes else None,
            "host_gib": policy.host_bytes / 2**30,
@@ -339,6 +340,10 @@ def memory_breakdown_step(model, shape: str, impl: str, planner: Planner, device
                         "not held before it"}
     if error:
         out["error"] = error
+        hint = recording_conflict(error, plan.every, compiles(_config(shape, impl, args), device))
+        if hint:  # the breakdown above is of the step until it failed, not of the whole step
+            out["hint"] = hint
+            print(f"error: --memory-breakdown {n}: {hint}", file=sys.stderr, flush=True)
     del rec  # the snapshot's Python objects (one per trace entry) can take GBs of host memory
     print(json.dumps(out), flush=True)
     (args.out / "max_context_memory.json").write_text(json.dumps(out, indent=1))

@@ -55,3 +55,25 @@ def test_max_context_memory_breakdown_agrees_with_the_allocator(tmp_path):
     # The replay's peak (requested bytes) against the allocator's (rounded up to 512 bytes per block).
     assert out["peak_gib"] == pytest.approx(out["max_memory_allocated_gib"], rel=0.02, abs=8 / 1024)
     assert any(t["where"].startswith(("fm_parallel/", "launch/bench/")) for t in out["terms"]), out["terms"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("compile_", ["off", "on"])
+def test_a_checkpoint_every_2_layers_is_recorded_or_the_conflict_is_named(tmp_path, compile_):
+    """torch's allocator history and compiled code recomputed by a checkpoint (pytorch/pytorch#179536,
+    met on the H200 with torch 2.11 at 64k and 1M, every 2 layers): eager per-token parts record; the
+    compiled ones record too where torch is fixed, else the run says why and what to do."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "bench" / "max_context.py"), "--models", "tiny", "--impls", "flashmask",
+         "--device", "cuda", "--checkpoint-every", "2", "--offload", "0", "--compile", compile_,
+         "--memory-breakdown", "8192", "--time-limit", "0", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads((tmp_path / "max_context_memory.json").read_text())
+    assert out["checkpoint_every"] == 2
+    if compile_ == "off" or out["fits"]:
+        assert out["fits"] is True and out["terms"], out
+    else:
+        assert out["fits"] is None and "pytorch/pytorch#179536" in out["hint"], out
+        assert "--compile off" in proc.stderr

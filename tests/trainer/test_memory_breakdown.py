@@ -244,3 +244,15 @@ def test_record_needs_cuda_and_the_history_api_takes_our_keywords():
     names = inspect.signature(torch.cuda.memory._record_memory_history).parameters
     assert {"enabled", "context", "stacks", "max_entries", "clear_history"} <= set(names)
     assert "device" in inspect.signature(torch.cuda.memory._snapshot).parameters
+
+
+def test_torchs_recording_conflict_is_named_only_where_it_applies():
+    from fm_parallel.trainer.memory_breakdown import recording_conflict
+
+    # The error line the H200 gave at 64k and 1M (every 2 layers, compiled per-token parts).
+    line = "SystemError: <built-in method apply of FunctionMeta object at 0x1762e130> returned NULL without setting an exception"
+    hint = recording_conflict(line, checkpoint_every=2, compiled=True)
+    assert "pytorch/pytorch#179536" in hint and "--compile off" in hint and "every 2 layers" in hint
+    assert recording_conflict(line, checkpoint_every=1, compiled=True) is None  # not the known conflict
+    assert recording_conflict(line, checkpoint_every=2, compiled=False) is None
+    assert recording_conflict("OutOfMemoryError: CUDA out of memory", checkpoint_every=2, compiled=True) is None
