@@ -6,8 +6,9 @@
 
 ``--nproc_per_node N`` checks the configuration in this process before any rank starts, then starts the N
 ranks with torchrun's own launcher (``torch.distributed.run``, standalone rendezvous), keeping the
-trainer's exit status: a user error is one ``error:`` line and status 2. Under a bare ``torchrun`` the
-ranks print the same line, but torchrun reports any rank that exits non-zero as its own
+trainer's exit status: a user error is one ``error:`` line and status 2 (``fm_parallel.user_errors``:
+how the line survives torchrun stopping the other ranks). Under a bare ``torchrun`` the ranks print
+the same line, but torchrun reports any rank that exits non-zero as its own
 ``ChildFailedError`` (a traceback, status 1): that is torchrun's, and nothing a rank does changes it.
 
 Threads: when ``OMP_NUM_THREADS`` is unset, each process gets ``cores // local processes`` intra-op
@@ -89,7 +90,7 @@ def _launch(nproc: int, argv: list[str]) -> int:
         torchrun.run(args)
     except ChildFailedError as e:
         codes = {rank: failure.exitcode for rank, failure in e.failures.items()}
-        if 2 in codes.values():  # a user error: rank 0 printed its one line
+        if 2 in codes.values():  # a user error: its line is printed (fm_parallel.user_errors)
             return 2
         rank, failure = e.get_first_failure()
         print(f"error: rank {rank} failed with exit code {failure.exitcode} (its output is above)", file=sys.stderr, flush=True)
@@ -112,9 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:  # the trainer's ConfigError is one
         if os.environ.get("FM_TRACEBACK"):
             raise
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        from fm_parallel.user_errors import exit_with_user_error
+
+        exit_with_user_error(e)
     if "OMP_NUM_THREADS" not in os.environ and "-h" not in argv and "--help" not in argv:
         import torch
 

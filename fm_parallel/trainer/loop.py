@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -31,6 +30,7 @@ from fm_parallel.trainer.model import build_model, build_tokenizer, compiles
 from fm_parallel.trainer.objectives import objective as make_objective
 from fm_parallel.trainer.optimizer import build_optimizer, set_learning_rate, update
 from fm_parallel.trainer.preflight import preflight
+from fm_parallel.user_errors import exit_with_user_error
 
 __all__ = ["main", "train", "USER_ERRORS"]
 
@@ -137,19 +137,16 @@ USER_ERRORS = (ConfigError, DataError, ValueError, FileNotFoundError, Permission
 
 def main(argv: list[str] | None = None) -> None:
     """The command line. A user error (configuration, data, folders, a checkpoint that cannot be
-    resumed, ranks that disagree) prints one line from rank 0 and exits with status 2, no traceback;
-    ``FM_TRACEBACK=1`` shows it."""
+    resumed, ranks that disagree) prints one ``error:`` line and exits with status 2, no traceback
+    (:mod:`fm_parallel.user_errors`: rank 0's line, or another rank's when rank 0 did not report
+    it); ``FM_TRACEBACK=1`` shows the traceback."""
     try:
         cfg = load_config(argv)
         train(cfg)
     except USER_ERRORS as e:
         if os.environ.get("FM_TRACEBACK"):
             raise
-        if os.environ.get("RANK", "0") == "0":
-            from tqdm import tqdm
-
-            tqdm.write(f"error: {e}", file=sys.stderr)  # on its own line, never glued to a progress bar
-        raise SystemExit(2) from None
+        exit_with_user_error(e)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
