@@ -15,10 +15,9 @@ import pytest
 
 from fm_parallel.user_errors import exit_with_user_error, user_error_line
 
+from tests.trainer.test_runs import TINY
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--model.hidden_size", "64", "--model.layers", "2", "--model.heads", "4", "--model.kv_heads", "2",
-        "--model.intermediate_size", "128", "--model.lora_rank", "4", "--data.seq_len", "128",
-        "--training.steps", "2", "--parallel.cp", "none"]
 REASON = "logging.tensorboard: expected the 'tensorboard' package"
 
 
