@@ -108,18 +108,41 @@ def record(device, max_entries: int = DEFAULT_MAX_ENTRIES, context: str = "all",
 _CHECKPOINT_RECOMPUTE_BUG = "returned NULL without setting an exception"
 
 
-def recording_conflict(error: str, checkpoint_every: int, compiled: bool) -> str | None:
+def recording_conflict(error: str, checkpoint_every: int) -> str | None:
     """Why a step failed under :func:`record` when the failure is torch's known conflict between the
-    allocator's history and compiled code recomputed by a checkpoint (``error``: the step's error
-    line; ``checkpoint_every`` and ``compiled``: the run's settings), with what to do; None for any
-    other failure. Not a measurement of the step: the same step runs without the recording."""
-    if _CHECKPOINT_RECOMPUTE_BUG not in error or checkpoint_every <= 1 or not compiled:
+    allocator's history and an ``autograd.Function`` run inside a non-reentrant checkpoint's recompute
+    (``error``: the step's error line; ``checkpoint_every``: the run's layers per checkpoint), with
+    what to do; None for any other failure. Not a measurement of the step: the same step runs without
+    the recording. Met on the GPU with compiled and with eager per-token parts alike (an H100 at 1M,
+    2026-12-06): our tiled layer is such a Function, recomputed by every segment of k > 1 layers."""
+    if _CHECKPOINT_RECOMPUTE_BUG not in error or checkpoint_every <= 1:
         return None
-    return (f"torch's allocator history cannot record compiled code run inside a checkpoint's recompute "
+    return (f"torch's allocator history cannot record an autograd Function run inside a checkpoint's recompute "
             f"(pytorch/pytorch#179536, torch {torch.__version__}); this step has a checkpoint every "
-            f"{checkpoint_every} layers and compiled per-token parts. The step itself runs without the "
-            f"recording. To record one: --compile off (eager per-token parts: their memory differs), or a "
-            f"length whose plan keeps a checkpoint per layer")
+            f"{checkpoint_every} layers, whose recompute runs the tiled layers (recordable_checkpoints turns "
+            f"torch's early stop, the usual trigger, off). The step itself runs without the recording. To record "
+            f"one: a length whose plan keeps a checkpoint per layer, or a torch with the fix")
+
+
+@contextlib.contextmanager
+def recordable_checkpoints(checkpoint_every: int):
+    """Around a step recorded by :func:`record`: for ``checkpoint_every`` > 1, checkpoints that run
+    their recompute to the end (``torch.utils.checkpoint.set_checkpoint_early_stop(False)``).
+
+    Why: torch stops a recompute early by raising an exception from inside the hook that saves a
+    tensor, here inside our tiled layer's ``autograd.Function``; with the allocator's history on, that
+    exception is lost (pytorch/pytorch#179536: "returned NULL without setting an exception").
+    Without the early stop the recompute also runs the segment's last layer forward, whose output it
+    drops before the segment's backward. Measured on an H100 at 1M, a checkpoint every 3 layers
+    (docs/long-context.md): the recorded step's peak equals the same step's without recording or
+    this context to the byte (76.105 GiB). The breakdown says it ran so (``checkpoint_early_stop``)."""
+    if checkpoint_every <= 1:
+        yield
+        return
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    with set_checkpoint_early_stop(False):
+        yield
 
 
 def _ours(filename: str) -> str | None:

@@ -305,8 +305,8 @@ def memory_breakdown_step(model, shape: str, impl: str, planner: Planner, device
     import gc
 
     from fm_parallel.trainer.memory import MemoryPlanError, checkpoint_layers
-    from fm_parallel.trainer.memory_breakdown import peak_breakdown, record, recording_conflict, static_terms
-    from fm_parallel.trainer.model import compiles
+    from fm_parallel.trainer.memory_breakdown import (peak_breakdown, record, recordable_checkpoints,
+                                                      recording_conflict, static_terms)
 
     n = args.memory_breakdown
     gc.collect()
@@ -319,7 +319,7 @@ def memory_breakdown_step(model, shape: str, impl: str, planner: Planner, device
     static = static_terms(model, device=device)
     torch.cuda.reset_peak_memory_stats(device)
     error, seconds, fits = None, None, True
-    with record(device) as rec:
+    with record(device) as rec, recordable_checkpoints(plan.every):
         try:
             seconds = _step(model, impl, n, device, args)
         except Exception as e:  # noqa: BLE001 - a failed step is an answer too (the trace shows what filled the device)
@@ -327,6 +327,8 @@ def memory_breakdown_step(model, shape: str, impl: str, planner: Planner, device
             fits = False if _is_oom(e) else None  # another failure says nothing about fitting
     out = {"model": shape, "impl": impl, "n": n, "checkpoint_every": plan.every, "offload_layers": plan.offload_layers,
            "device": torch.cuda.get_device_name(device), "fits": fits, "step_s": seconds,
+           # every > 1: recorded with the recompute run to the end (recordable_checkpoints says why)
+           "checkpoint_early_stop": plan.every <= 1,
            "planned_device_gib": plan.device_bytes / 2**30 if plan.device_bytes else None,
            "planned_host_gib": plan.host_bytes / 2**30 if plan.device_bytes else None,
            "host_gib": policy.host_bytes / 2**30,
@@ -340,7 +342,7 @@ def memory_breakdown_step(model, shape: str, impl: str, planner: Planner, device
                         "not held before it"}
     if error:
         out["error"] = error
-        hint = recording_conflict(error, plan.every, compiles(_config(shape, impl, args), device))
+        hint = recording_conflict(error, plan.every)
         if hint:  # the breakdown above is of the step until it failed, not of the whole step
             out["hint"] = hint
             print(f"error: --memory-breakdown {n}: {hint}", file=sys.stderr, flush=True)

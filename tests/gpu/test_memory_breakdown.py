@@ -59,10 +59,11 @@ def test_max_context_memory_breakdown_agrees_with_the_allocator(tmp_path):
 
 @needs_cuda
 @pytest.mark.parametrize("compile_", ["off", "on"])
-def test_a_checkpoint_every_2_layers_is_recorded_or_the_conflict_is_named(tmp_path, compile_):
-    """torch's allocator history and compiled code recomputed by a checkpoint (pytorch/pytorch#179536,
-    met on the H200 with torch 2.11 at 64k and 1M, every 2 layers): eager per-token parts record; the
-    compiled ones record too where torch is fixed, else the run says why and what to do."""
+def test_a_checkpoint_every_2_layers_is_recorded(tmp_path, compile_):
+    """torch's allocator history loses the exception with which a checkpoint stops its recompute
+    early inside our tiled layer's autograd.Function (pytorch/pytorch#179536: met on the GPU at 64k and
+    1M, every 2 or 3 layers, compiled and eager alike). The recorded step turns the early stop off
+    (memory_breakdown.recordable_checkpoints) and records."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "launch" / "bench" / "max_context.py"), "--models", "tiny", "--impls", "flashmask",
          "--device", "cuda", "--checkpoint-every", "2", "--offload", "0", "--compile", compile_,
@@ -71,9 +72,5 @@ def test_a_checkpoint_every_2_layers_is_recorded_or_the_conflict_is_named(tmp_pa
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads((tmp_path / "max_context_memory.json").read_text())
-    assert out["checkpoint_every"] == 2
-    if compile_ == "off" or out["fits"]:
-        assert out["fits"] is True and out["terms"], out
-    else:
-        assert out["fits"] is None and "pytorch/pytorch#179536" in out["hint"], out
-        assert "--compile off" in proc.stderr
+    assert out["checkpoint_every"] == 2 and out["checkpoint_early_stop"] is False
+    assert out["fits"] is True and out["terms"] and "error" not in out, out
