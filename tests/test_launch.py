@@ -102,6 +102,38 @@ def test_max_context_merges_earlier_runs(tmp_path):
     assert (out / "max_context.png").exists() and (out / "max_context_shapes.png").exists()
 
 
+def test_max_context_step_frees_the_final_hidden_state_before_the_layers_backward(monkeypatch):
+    """The benchmark's step must hold what the trainer's holds: the decoder's final hidden state
+    (n x hidden, 8 GiB of the 8B shape at 1M) is gone by the time the first layer's gradients are
+    computed. The step once kept it in a local through the whole backward, 8 GiB above the
+    trainer at the 1M peak (docs/long-context.md, the budget term by term)."""
+    import types
+    import weakref
+
+    import fm_parallel.trainer.model as trainer_model
+
+    sys.path.insert(0, str(ROOT / "launch" / "bench"))
+    from max_context import _model, _step
+
+    args = types.SimpleNamespace(tile_chunk=64, attention_chunk=128, compile="off", lora_compute="base", max=512,
+                                 loss_chunk=64)
+    model = _model("tiny", "flashmask", torch.device("cpu"), args)
+    made = []
+    real_hidden = trainer_model.hidden
+
+    def hidden(*a, **k):
+        out = real_hidden(*a, **k)
+        made.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(trainer_model, "hidden", hidden)
+    first_layer = [p for name, p in model.named_parameters() if p.requires_grad and ".layers.0." in name]
+    alive_then = []
+    first_layer[0].register_hook(lambda g: alive_then.append(made[-1]() is not None))
+    _step(model, "flashmask", 256, torch.device("cpu"), args)
+    assert made and alive_then and not any(alive_then)
+
+
 def test_max_context_by_shape_orders_shapes_and_marks_lower_bounds():
     sys.path.insert(0, str(ROOT / "launch" / "bench"))
     from max_context import by_shape
