@@ -25,7 +25,7 @@ from fm_parallel.trainer.config import Config, ConfigError, check_before_start, 
 from fm_parallel.trainer.data import DataError
 from fm_parallel.trainer.export import save_base_model
 from fm_parallel.trainer.flops import rows_flops
-from fm_parallel.trainer.memory import prefer_expandable_segments
+from fm_parallel.trainer.memory import GIB, plan_shortfall, prefer_expandable_segments
 from fm_parallel.trainer.model import build_model, build_tokenizer, compiles
 from fm_parallel.trainer.objectives import objective as make_objective
 from fm_parallel.trainer.optimizer import build_optimizer, set_learning_rate, update
@@ -67,7 +67,7 @@ def _train(cfg: Config, stopped) -> dict:
     runs.check_run_dir(cfg)  # every rank, before anything is written
     lay = parallel.layout(cfg)
     device = parallel.device()
-    plan_run(cfg, device, tokenizer.vocab_size, cp=lay.cp, say=say)  # auto: planned (or refused) before any build
+    plan = plan_run(cfg, device, tokenizer.vocab_size, cp=lay.cp, say=say)  # auto: planned (or refused) before any build
     dist.barrier()  # no rank writes until every rank has checked the directory
     if rank == 0:
         if cfg.output.overwrite:
@@ -91,7 +91,7 @@ def _train(cfg: Config, stopped) -> dict:
     if start >= cfg.training.steps:
         say(f"nothing to train: the run already reached training.steps = {cfg.training.steps}")
     progress = metrics.Progress(cfg, rank, start, f"{cfg.data.objective} {lay.mode} x{lay.cp} dp{lay.dp}")
-    policy, saved = model.checkpoint_policy, None
+    policy, saved, plan_missed = model.checkpoint_policy, None, False
     for step in range(start, cfg.training.steps):
         t0 = time.perf_counter()
         compiled_since = metrics.step_started(device, policy)
@@ -109,9 +109,15 @@ def _train(cfg: Config, stopped) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         flops = rows_flops(cfg, model.get_base_model().config, rows) if device.type == "cuda" else None  # MFU: GPU only
-        progress.update(log.append(metrics.step_record(step, local_loss.item(), len(rows) * cfg.data.seq_len,
-                                                       time.perf_counter() - t0, lr, device, policy, grad_norm, flops,
-                                                       compiled_since)))
+        record = metrics.step_record(step, local_loss.item(), len(rows) * cfg.data.seq_len, time.perf_counter() - t0,
+                                     lr, device, policy, grad_norm, flops, compiled_since)
+        if plan is not None:
+            record["planned_gib"] = plan.device_bytes / GIB
+            missed = plan_shortfall(plan, record["memory_gib"] * GIB)  # the largest over the ranks: all agree
+            if missed and not plan_missed:
+                progress.note(f"warning: {missed}")
+            plan_missed = plan_missed or bool(missed)
+        progress.update(log.append(record))
         if held.due(step):
             progress.write(log.append(held.evaluate(objective, model, lay, device, step)))
         last = step == cfg.training.steps - 1

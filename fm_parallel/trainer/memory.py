@@ -236,6 +236,20 @@ class MemoryPlan:
                 f"(-1: all); predicted {self.device_bytes / GIB:.1f} GiB on the device, {self.host_bytes / GIB:.1f} GiB host")
 
 
+def plan_shortfall(plan: MemoryPlan | None, peak_bytes: float) -> str | None:
+    """The warning for a step whose measured device peak ``peak_bytes`` is above what ``plan``
+    predicted (None when it is not, or when nothing was predicted). A plan is promised to fit the
+    first time; a step above it fitted with less room than planned, so a costlier row or another
+    GPU can run out of memory (measured once: ``max_context.py``'s 8B shape at 1M on an H100, 76.1
+    GiB against 66.5 planned, docs/long-context.md)."""
+    if plan is None or not plan.device_bytes or peak_bytes <= plan.device_bytes:
+        return None
+    return (f"memory plan missed: the step peaked at {peak_bytes / GIB:.1f} GiB on the device, "
+            f"{(peak_bytes - plan.device_bytes) / GIB:.1f} GiB above the plan's {plan.device_bytes / GIB:.1f} GiB "
+            f"for {plan.n} tokens (a checkpoint every {plan.every} layer(s), {plan.offload_layers} offloaded); a costlier "
+            f"row may run out of memory: give model.device_memory_gib lower to plan with more room")
+
+
 def plan_memory(n: int, *, layers: int, hidden: int, itemsize: int, fixed_bytes: float, bytes_per_token: float,
                 device_budget: float, host_budget: float, every: int | None = None,
                 offload_layers: int | None = None) -> MemoryPlan:

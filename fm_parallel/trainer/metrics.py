@@ -173,6 +173,11 @@ class Progress:
             self.bar.set_postfix(shown)
         self.bar.update(1)
 
+    def note(self, text: str) -> None:
+        """A line printed above the bar (rank 0)."""
+        if self.bar is not None:
+            self.bar.write(text)
+
     def write(self, record: dict) -> None:
         """An evaluation's line, printed above the bar (rank 0)."""
         if self.bar is None:

@@ -186,7 +186,7 @@ def run(shape: str, impl: str, device, args) -> dict:
     import gc
 
     from fm_parallel.trainer.flops import peak_tflops, step_flops
-    from fm_parallel.trainer.memory import MemoryPlanError, checkpoint_layers
+    from fm_parallel.trainer.memory import MemoryPlanError, checkpoint_layers, plan_shortfall
     from fm_parallel.trainer.metrics import allocator_stats, compile_seconds, first_step_costs
 
     rows: list[dict] = []
@@ -280,6 +280,10 @@ def run(shape: str, impl: str, device, args) -> dict:
             row["warm"] = warm
             if plan.device_bytes:
                 row.update(planned_device_gib=plan.device_bytes / 2**30, planned_host_gib=plan.host_bytes / 2**30)
+                missed = plan_shortfall(plan, row["peak_gib"] * 2**30) if row.get("peak_gib") else None
+                if missed:  # it fitted, with less room than planned: said, and kept in the row
+                    row["plan_short_gib"] = row["peak_gib"] - row["planned_device_gib"]
+                    print(f"warning: {impl} {shape}: {missed}", file=sys.stderr, flush=True)
         row.pop("used", None)
         rows.append(row)
         print(json.dumps(row), flush=True)

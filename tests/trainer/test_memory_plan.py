@@ -138,3 +138,52 @@ def test_the_trainer_command_with_a_checkpoint_every_2_layers_trains_the_same_lo
 
     records = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["host_gib"] * GIB == 2 * 512 * 64 * 4  # ceil(4 / 2) layer inputs [1, 512, 64] fp32, not 4
+
+
+def test_a_step_above_its_plan_is_named_with_the_amount():
+    from fm_parallel.trainer.memory import MemoryPlan, plan_shortfall
+
+    plan = MemoryPlan(1 << 20, 3, -1, int(66.5 * GIB), 88 * GIB)
+    assert plan_shortfall(plan, 66.5 * GIB) is None and plan_shortfall(None, 1e12) is None
+    assert plan_shortfall(MemoryPlan(8, 1, 0, 0, 0), 1e12) is None  # nothing predicted (no GPU)
+    line = plan_shortfall(plan, 76.1 * GIB)
+    assert line.startswith("memory plan missed: the step peaked at 76.1 GiB on the device, 9.6 GiB above the plan's 66.5 GiB")
+    assert "1048576 tokens" in line and "every 3" in line and "model.device_memory_gib" in line
+
+
+def _train_with_a_plan(rank, world, argv, out, device_bytes):
+    """The trainer with ``plan_run`` standing in for the GPU's plan (the CPU plans nothing): its
+    printed lines and whether it finished."""
+    import contextlib
+    import io
+
+    import fm_parallel.trainer.loop as loop
+    from fm_parallel.trainer.config import load_config
+    from fm_parallel.trainer.memory import MemoryPlan
+
+    loop.plan_run = lambda cfg, *a, **k: MemoryPlan(cfg.data.seq_len, 1, 0, device_bytes, 0)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        loop.train(load_config(argv + ["--output.dir", out], environ={}))
+    return {"printed": printed.getvalue()}
+
+
+@pytest.mark.parametrize("room", ["short", "enough"])
+def test_the_trainer_says_once_when_a_step_peaks_above_its_plan(tmp_path, room):
+    """Every step's record carries the plan's prediction beside the measured peak; a step above it is
+    said once, on rank 0, naming both (a promise broken silently is the worst kind)."""
+    import json
+
+    from tests.distributed.spawn import run_ranks
+    from tests.trainer.test_runs import TINY
+
+    device_bytes = 1 if room == "short" else 1 << 50  # the CPU's peak resident set stands in for the GPU's peak
+    out = str(tmp_path / "run")
+    (result,) = run_ranks(_train_with_a_plan, 1, TINY + ["--training.steps", "3"], out, device_bytes, timeout=300)
+    assert "exception" not in result, result.get("traceback")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["planned_gib"] for r in records if "loss" in r] == [device_bytes / GIB] * 3
+    said = [line for line in result["printed"].splitlines() if "memory plan missed" in line]
+    assert len(said) == (1 if room == "short" else 0), result["printed"]
+    if said:
+        assert said[0].startswith("warning: memory plan missed: the step peaked at")
