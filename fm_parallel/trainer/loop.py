@@ -116,7 +116,7 @@ def _train(cfg: Config, stopped) -> dict:
             missed = plan_shortfall(plan, record["memory_gib"] * GIB)  # the largest over the ranks: all agree
             if missed and not plan_missed:
                 progress.note(f"warning: {missed}")
-            plan_missed = plan_missed or bool(missed)
+                plan_missed = True
         progress.update(log.append(record))
         if held.due(step):
             progress.write(log.append(held.evaluate(objective, model, lay, device, step)))

@@ -124,7 +124,6 @@ def recording_conflict(error: str, checkpoint_every: int) -> str | None:
             f"one: a length whose plan keeps a checkpoint per layer, or a torch with the fix")
 
 
-@contextlib.contextmanager
 def recordable_checkpoints(checkpoint_every: int):
     """Around a step recorded by :func:`record`: for ``checkpoint_every`` > 1, checkpoints that run
     their recompute to the end (``torch.utils.checkpoint.set_checkpoint_early_stop(False)``).
@@ -137,12 +136,10 @@ def recordable_checkpoints(checkpoint_every: int):
     (docs/long-context.md): the recorded step's peak equals the same step's without recording or
     this context to the byte (76.105 GiB). The breakdown says it ran so (``checkpoint_early_stop``)."""
     if checkpoint_every <= 1:
-        yield
-        return
+        return contextlib.nullcontext()
     from torch.utils.checkpoint import set_checkpoint_early_stop
 
-    with set_checkpoint_early_stop(False):
-        yield
+    return set_checkpoint_early_stop(False)
 
 
 def _ours(filename: str) -> str | None:

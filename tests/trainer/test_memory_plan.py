@@ -153,7 +153,7 @@ def test_a_step_above_its_plan_is_named_with_the_amount():
 
 def _train_with_a_plan(rank, world, argv, out, device_bytes):
     """The trainer with ``plan_run`` standing in for the GPU's plan (the CPU plans nothing): its
-    printed lines and whether it finished."""
+    printed lines (rank 0's progress notes among them)."""
     import contextlib
     import io
 
