@@ -134,6 +134,41 @@ def test_max_context_step_frees_the_final_hidden_state_before_the_layers_backwar
     assert made and alive_then and not any(alive_then)
 
 
+def test_max_context_step_records_its_phases_and_plans_on_the_costliest(monkeypatch):
+    """The script's calibration step ends each phase in order (the loss's backward at the final
+    hidden state's gradient), and its planner plans each length on the phase that needs the most
+    there: the layers' backward at 1M where the loss's set both short steps' peaks."""
+    import types
+
+    from fm_parallel.trainer.capacity import PhasePeaks
+    from fm_parallel.trainer.memory import GIB
+
+    sys.path.insert(0, str(ROOT / "launch" / "bench"))
+    from max_context import Planner, _model, _step
+
+    args = types.SimpleNamespace(tile_chunk=64, attention_chunk=128, compile="off", lora_compute="base", max=512,
+                                 loss_chunk=64)
+    model = _model("tiny", "flashmask", torch.device("cpu"), args)
+    ended = []
+    clock = iter(range(1, 10**6))
+    peaks = PhasePeaks(read=lambda: float(next(clock)), reset=lambda: None, allocated=lambda: 0.0)
+    real_end = peaks.end
+    peaks.end = lambda phase: (ended.append(phase), real_end(phase))[1]
+    _step(model, "flashmask", 256, torch.device("cpu"), args, peaks)
+    assert ended == ["forward", "loss_backward", "layers_backward", "optimizer"]
+
+    planner = Planner(32, 4096, 2, 74 * GIB, 94 * GIB, None, None)
+    kib = 2**10
+    report = planner.calibrate({n: {"forward": 2 * GIB, "loss_backward": 9 * GIB, "layers_backward": GIB + 36 * kib * n}
+                                for n in (131072, 65536)})
+    assert [c["n"] for c in report["calibration"]] == [65536, 131072]
+    assert report["calibration"][0]["used_gib"] == 9.0 and report["lines"]["layers_backward"]["bytes_per_token"] == 36 * kib
+    plan = planner.plan(1 << 20, 15 * GIB)
+    ckpt = (1 << 20) * 4096 * 2
+    resident = plan.device_bytes - (15 * GIB + GIB + 36 * kib * (1 << 20)) - (plan.every - 1) * ckpt
+    assert resident % ckpt == 0 and plan.device_bytes <= 74 * GIB  # the layers' line, then whole checkpoints
+
+
 def test_max_context_by_shape_orders_shapes_and_marks_lower_bounds():
     sys.path.insert(0, str(ROOT / "launch" / "bench"))
     from max_context import by_shape

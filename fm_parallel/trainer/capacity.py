@@ -7,9 +7,10 @@ live, computed before the model is built, from its shape and one layer's memory 
 
 The measurement: a model of the run's shape with *one* decoder layer (the real vocabulary, the same
 tiling, LoRA and loss), its checkpoint on the host, runs a training step at two lengths on the
-costliest mask the run's data can give the tiled layer (:func:`worst_case_mask`); the peaks
-above its static memory give ``fixed + per_token * n`` (one layer's working set and the model-level
-terms: the hidden states between the layers, the loss). The real model's static memory is the one
+costliest mask the run's data can give the tiled layer (:func:`worst_case_mask`); each phase's peak
+above its static memory (:class:`PhasePeaks`: the forward, the loss's backward, the layers'
+backward) gives a line ``fixed + per_token * n`` (a :class:`~fm_parallel.trainer.memory.StepBudget`),
+and the plan at the run's length takes the phase that needs the most there. The real model's static memory is the one
 layer model's plus ``L - 1`` layers of parameters and every adapter's AdamW moments.
 :func:`~fm_parallel.trainer.memory.plan_memory` then picks the least recompute, then the fewest host
 copies, that fit the device and host budgets (``model.device_memory_gib``, ``model.host_memory_gib``).
@@ -27,9 +28,76 @@ from typing import Callable
 import torch
 
 from fm_parallel.trainer.config import Config, ConfigError
-from fm_parallel.trainer.memory import GIB, MemoryPlan, MemoryPlanError, plan_memory
+from fm_parallel.trainer.memory import GIB, MemoryPlan, MemoryPlanError, StepBudget, plan_memory
 
-__all__ = ["plan_run", "measure_one_layer", "worst_case_mask", "host_memory_bytes"]
+__all__ = ["PHASES", "PhasePeaks", "plan_run", "measure_one_layer", "worst_case_mask", "host_memory_bytes"]
+
+PHASES = ("forward", "loss_backward", "layers_backward", "optimizer")
+
+
+class PhasePeaks:
+    """The device's allocation peaks of one training step, phase by phase, in bytes above what was
+    allocated when it was made (``static``)::
+
+        peaks = PhasePeaks(device)
+        h = hidden(model, ...)            # the decoder's final hidden state [1, n, hidden]
+        peaks.watch(h)                    # its gradient arriving ends the loss's backward
+        loss = chunked_cross_entropy(head, h, ...)
+        del h                             # as the trainer: held by the loss's graph only
+        peaks.end("forward")
+        loss.backward()                   # "loss_backward" ends inside, at h's gradient
+        peaks.end("layers_backward")
+        optim.step(); peaks.end("optimizer")
+        peaks.peaks                       # {"forward": ..., "loss_backward": ..., ...}
+
+    Each end reads the allocator's peak since the previous one and restarts it
+    (``torch.cuda.reset_peak_memory_stats``: the peak restarts at what is allocated then), so
+    another reader of the device's peak over the step sees only the last phase: take
+    ``static + max(peaks.values())`` instead (:attr:`overall`). Why by phase:
+    :class:`~fm_parallel.trainer.memory.StepBudget`. ``read`` / ``reset``: the allocator's peak and its
+    reset (stand-ins where there is no GPU)."""
+
+    def __init__(self, device: torch.device | None = None, *, read: Callable[[], float] | None = None,
+                 reset: Callable[[], None] | None = None, allocated: Callable[[], float] | None = None,
+                 reserved: Callable[[], float] | None = None):
+        cuda = read is None
+        self._read = read or (lambda: torch.cuda.max_memory_allocated(device))
+        self._reset = reset or (lambda: torch.cuda.reset_peak_memory_stats(device))
+        self._reserved = reserved or ((lambda: torch.cuda.max_memory_reserved(device)) if cuda else (lambda: 0.0))
+        self._reset()
+        self.static = float((allocated or (lambda: torch.cuda.memory_allocated(device)))())
+        self.peaks: dict[str, float] = {}
+        self.reserved = 0.0  # the most the allocator reserved over the phases (the reset restarts its peak too)
+
+    def end(self, phase: str) -> None:
+        """End ``phase``: its peak is the allocator's since the last end (or since made)."""
+        if phase not in PHASES:
+            raise ValueError(f"phase: expected one of {', '.join(PHASES)}, got {phase!r}")
+        self.peaks[phase] = max(self.peaks.get(phase, 0.0), self._read() - self.static)
+        self.reserved = max(self.reserved, float(self._reserved()))
+        self._reset()
+
+    def finish(self) -> None:
+        """End the phase that was running, if any (a step that failed in it, out of memory say): the
+        first of :data:`PHASES` after the last one ended."""
+        ended = [i for i, p in enumerate(PHASES) if p in self.peaks]
+        following = PHASES[max(ended, default=-1) + 1:]
+        if following:
+            self.end(following[0])
+
+    def watch(self, hidden: torch.Tensor) -> None:
+        """End ``loss_backward`` when the gradient of ``hidden`` (the decoder's output, the loss's input)
+        is complete: the loss and the head are done and the layers' backward starts."""
+        def ended(grad: torch.Tensor) -> None:  # returns None: the gradient passes on unchanged
+            self.end("loss_backward")
+
+        if hidden.requires_grad:
+            hidden.register_hook(ended)
+
+    @property
+    def overall(self) -> float:
+        """The step's peak in bytes, static included."""
+        return self.static + max(self.peaks.values(), default=0.0)
 
 
 def host_memory_bytes() -> int:
@@ -67,7 +135,8 @@ def measure_one_layer(cfg: Config, device: torch.device, vocab_size: int, length
     """Build the run's model with one decoder layer (checkpoint on the host) on ``device`` and run a
     training step of each of ``lengths`` tokens (on :func:`worst_case_mask`). Returns ``static`` (bytes before
     the steps), ``layer`` (one decoder layer's parameter bytes), ``adapter`` (the trainable parameters'
-    bytes), ``fixed`` and ``per_token`` (the steps' peaks above static, fitted)."""
+    bytes) and ``peaks`` (``{n: {phase: bytes above static}}``, :class:`PhasePeaks`; the final hidden
+    state is held by the loss's graph only, as in the trainer's step)."""
     from fm_parallel.trainer.memory import decoder_layers
     from fm_parallel.trainer.model import build_model, hidden
     from fm_parallel.trainer.objectives import chunked_cross_entropy
@@ -79,24 +148,25 @@ def measure_one_layer(cfg: Config, device: torch.device, vocab_size: int, length
     layer = sum(p.numel() * p.element_size() for p in decoder_layers(model)[0].parameters())
     adapter = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     head = model.get_base_model().lm_head
-    peaks = []
+    peaks = {}
     for n in lengths:
         gc.collect()
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        static = torch.cuda.memory_allocated(device)
         mask = worst_case_mask(cfg, n).to(device)
         ids = torch.randint(0, vocab_size, (1, n), device=device)
+        phases = PhasePeaks(device)
+        static = phases.static
         h = hidden(model, ids, torch.arange(n, device=device).view(1, n), mask, None, cfg.parallel.impl or "auto")
+        phases.watch(h)
         loss = chunked_cross_entropy(head, h, ids, cfg.training.loss_chunk)
+        del h
+        phases.end("forward")
         loss.backward()
-        del h, loss
-        peaks.append(torch.cuda.max_memory_allocated(device) - static)
+        del loss
+        phases.end("layers_backward")
+        peaks[n] = phases.peaks
         model.zero_grad(set_to_none=True)
-    (n1, n2), (u1, u2) = lengths, peaks
-    per_token = max((u2 - u1) / (n2 - n1), 0.0)
-    result = {"static": static, "layer": layer, "adapter": adapter, "fixed": max(u1 - per_token * n1, 0.0),
-              "per_token": per_token}
+    result = {"static": static, "layer": layer, "adapter": adapter, "peaks": peaks}
     del model, head
     gc.collect()
     torch.cuda.empty_cache()
@@ -127,8 +197,13 @@ def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
     if lengths[0] == lengths[1]:
         lengths = (lengths[0], lengths[0] * 2)
     got = (measure or measure_one_layer)(cfg, device, vocab_size, lengths)
-    values = (agree or _largest_over_ranks)([got["static"], got["layer"], got["adapter"], got["fixed"], got["per_token"]])
-    static, layer, adapter, fixed, per_token = values
+    phases = [p for p in PHASES if all(p in got["peaks"][k] for k in lengths)]
+    values = (agree or _largest_over_ranks)([got["static"], got["layer"], got["adapter"],
+                                             *(got["peaks"][k][p] for k in lengths for p in phases)])
+    static, layer, adapter, *rest = values
+    budget = StepBudget.fit({k: dict(zip(phases, rest[i * len(phases):(i + 1) * len(phases)]))
+                             for i, k in enumerate(lengths)})
+    phase, fixed, per_token = budget.at(n)
     layers, hidden = _shape(cfg)
     total = torch.cuda.get_device_properties(device).total_memory
     device_budget = m.device_memory_gib * GIB if m.device_memory_gib else 0.94 * total
@@ -136,15 +211,16 @@ def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
     # The real model's constants: the one-layer model's, L - 1 more layers, every adapter's AdamW moments.
     constant = static + (layers - 1) * layer + (layers - 1) * adapter + 2 * layers * adapter + fixed
     itemsize = {"float32": 4, "float64": 8}.get(m.dtype, 2)
+    measured = (f"measured on one layer at {lengths[0]} and {lengths[1]} tokens, the {phase.replace('_', ' ')} "
+                f"peaks at this length: {per_token / 2**10:.0f} KiB per token beyond the checkpoints, "
+                f"{constant / GIB:.1f} GiB fixed")
     try:
         plan = plan_memory(n, layers=layers, hidden=hidden, itemsize=itemsize, fixed_bytes=constant,
                            bytes_per_token=per_token, device_budget=device_budget, host_budget=host_budget)
     except MemoryPlanError as e:
-        raise ConfigError(f"data.seq_len: {e} (model.memory_plan = 'auto', measured on one layer: "
-                          f"{per_token / 2**10:.0f} KiB per token, {constant / GIB:.1f} GiB fixed)") from None
+        raise ConfigError(f"data.seq_len: {e} (model.memory_plan = 'auto', {measured})") from None
     m.checkpoint_every, m.offload_layers = plan.every, plan.offload_layers
-    say(f"memory plan: {plan} (measured on one layer at {lengths[0]} and {lengths[1]} tokens: "
-        f"{per_token / 2**10:.0f} KiB per token beyond the checkpoints, {constant / GIB:.1f} GiB fixed)")
+    say(f"memory plan: {plan} ({measured})")
     return plan
 
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["CheckpointPolicy", "HostOffload", "MemoryPlan", "MemoryPlanError", "checkpoint_layers", "decoder_layers",
-           "plan_memory", "prefer_expandable_segments"]
+__all__ = ["CheckpointPolicy", "HostOffload", "MemoryPlan", "MemoryPlanError", "StepBudget", "checkpoint_layers",
+           "decoder_layers", "plan_memory", "prefer_expandable_segments"]
 
 ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
@@ -234,6 +234,44 @@ class MemoryPlan:
     def __str__(self) -> str:
         return (f"{self.n} tokens: a checkpoint every {self.every} layer(s), {self.offload_layers} layer(s) offloaded "
                 f"(-1: all); predicted {self.device_bytes / GIB:.1f} GiB on the device, {self.host_bytes / GIB:.1f} GiB host")
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """What one training step needs on the device beyond its static memory and its checkpoints, phase
+    by phase: ``lines[phase] = (fixed bytes, bytes per token)``, each fitted through that phase's peak
+    at two measured lengths (:meth:`fit`). The phases (``fm_parallel.trainer.capacity.PHASES``) peak
+    in different terms that grow at different rates: the loss's chunks over the vocabulary are large
+    and nearly constant, a layer's backward is small at a short length and grows fastest. One line
+    through the step's overall peaks at two short lengths, where the loss sets the peak, follows the
+    loss and is flatter than the layers' line that sets the peak at a long one (8B shape, 64k and
+    128k on an H100: 23.5 KiB per token and 11.9 GiB fitted, about 40 KiB per token measured at 1M,
+    a 9.6 GiB miss; docs/long-context.md). :meth:`at` takes, at each length, the phase that needs
+    the most."""
+
+    lines: dict[str, tuple[float, float]]
+
+    @classmethod
+    def fit(cls, peaks: dict[int, dict[str, float]]) -> "StepBudget":
+        """``peaks[n][phase]``: bytes above static at two lengths ``n``; a line per phase present at
+        both (a per-token slope below zero, from noise, is taken as zero)."""
+        if len(peaks) != 2:
+            raise ValueError(f"peaks: expected the peaks at 2 lengths, got {sorted(peaks)}")
+        (n1, p1), (n2, p2) = sorted(peaks.items())
+        if n1 == n2 or n1 < 1:
+            raise ValueError(f"peaks: expected 2 distinct lengths >= 1, got {n1} and {n2}")
+        lines = {}
+        for phase in p1.keys() & p2.keys():
+            per_token = max((p2[phase] - p1[phase]) / (n2 - n1), 0.0)
+            lines[phase] = (max(p1[phase] - per_token * n1, 0.0), per_token)
+        if not lines:
+            raise ValueError(f"peaks: no phase measured at both lengths, got {sorted(p1)} and {sorted(p2)}")
+        return cls(dict(sorted(lines.items())))
+
+    def at(self, n: int) -> tuple[str, float, float]:
+        """The phase that needs the most at ``n`` tokens, with its ``(fixed, per_token)``."""
+        phase = max(self.lines, key=lambda p: self.lines[p][0] + self.lines[p][1] * n)
+        return (phase, *self.lines[phase])
 
 
 def plan_shortfall(plan: MemoryPlan | None, peak_bytes: float) -> str | None:

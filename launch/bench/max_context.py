@@ -93,38 +93,44 @@ def _model(shape: str, impl: str, device, args):
 
 class Planner:
     """The memory plan of each length, from the model's shape and a measured budget, not from trial and
-    error (``fm_parallel.trainer.memory.plan_memory``). ``calibrate`` runs two short steps with every
-    checkpoint on the host and fits ``fixed + per_token * n`` through their peaks over the static
-    memory (all that grows with n but the checkpoints; the loss chunks and the mask tables land in
-    ``fixed``). ``every`` / ``offload``: None to plan, else fixed. Without a GPU nothing is planned
-    (no device budget): the fixed values, or a checkpoint per layer and none offloaded."""
+    error (``fm_parallel.trainer.memory.plan_memory``). ``calibrate`` takes two short steps' peaks with
+    every checkpoint on the host, phase by phase (``fm_parallel.trainer.capacity.PhasePeaks``), and
+    fits a line ``fixed + per_token * n`` per phase (``StepBudget``: the loss's chunks and the mask
+    tables land in ``fixed``); each length is planned on the phase that needs the most there.
+    ``every`` / ``offload``: None to plan, else fixed. Without a GPU nothing is planned (no device
+    budget): the fixed values, or a checkpoint per layer and none offloaded."""
 
     def __init__(self, layers: int, hidden: int, itemsize: int, device_budget: float, host_budget: float,
                  every: int | None, offload: int | None):
         self.layers, self.hidden, self.itemsize = layers, hidden, itemsize
         self.device_budget, self.host_budget, self.every, self.offload = device_budget, host_budget, every, offload
-        self.fixed_bytes = self.per_token = None
+        self.budget = None
 
-    def calibrate(self, measured: list[tuple[int, float]]) -> dict:
-        (n1, u1), (n2, u2) = sorted(measured)
-        self.per_token = max((u2 - u1) / (n2 - n1), 0.0)
-        self.fixed_bytes = max(u1 - self.per_token * n1, 0.0)
-        return {"calibration": [{"n": n, "used_gib": u / 2**30} for n, u in measured],
-                "bytes_per_token": self.per_token, "fixed_gib": self.fixed_bytes / 2**30}
+    def calibrate(self, measured: dict[int, dict[str, float]]) -> dict:
+        """``measured[n][phase]``: bytes above static of the step of ``n`` tokens."""
+        from fm_parallel.trainer.memory import StepBudget
+
+        self.budget = StepBudget.fit(measured)
+        return {"calibration": [{"n": n, "used_gib": max(p.values()) / 2**30,
+                                 "phases_gib": {k: v / 2**30 for k, v in p.items()}} for n, p in sorted(measured.items())],
+                "lines": {phase: {"fixed_gib": fixed / 2**30, "bytes_per_token": per_token}
+                          for phase, (fixed, per_token) in self.budget.lines.items()}}
 
     def plan(self, n: int, static: float):
         from fm_parallel.trainer.memory import MemoryPlan, plan_memory
 
-        if self.per_token is None:
+        if self.budget is None:
             return MemoryPlan(n, self.every or 1, self.offload or 0, 0, 0)
+        _, fixed, per_token = self.budget.at(n)
         return plan_memory(n, layers=self.layers, hidden=self.hidden, itemsize=self.itemsize,
-                           fixed_bytes=static + self.fixed_bytes, bytes_per_token=self.per_token,
+                           fixed_bytes=static + fixed, bytes_per_token=per_token,
                            device_budget=self.device_budget, host_budget=self.host_budget,
                            every=self.every, offload_layers=self.offload)
 
 
-def _step(model, impl: str, n: int, device, args) -> float:
-    """One training step on a packed row of ``n`` tokens (documents of mean length 2048); its seconds."""
+def _step(model, impl: str, n: int, device, args, peaks=None) -> float:
+    """One training step on a packed row of ``n`` tokens (documents of mean length 2048); its seconds.
+    ``peaks``: a ``fm_parallel.trainer.capacity.PhasePeaks`` to record the step's phases in."""
     from fm_parallel import masks
 
     host_mask = masks.document(masks.sample_lengths(n))
@@ -137,10 +143,16 @@ def _step(model, impl: str, n: int, device, args) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    loss = _loss(model, ids, labels, mask, args.loss_chunk)
+    loss = _loss(model, ids, labels, mask, args.loss_chunk, peaks)
+    if peaks is not None:
+        peaks.end("forward")
     loss.backward()
+    if peaks is not None:
+        peaks.end("layers_backward")
     optim.step()
     optim.zero_grad(set_to_none=True)
+    if peaks is not None:
+        peaks.end("optimizer")
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -148,16 +160,19 @@ def _step(model, impl: str, n: int, device, args) -> float:
     return seconds
 
 
-def _loss(model, ids, labels, mask, loss_chunk: int) -> torch.Tensor:
+def _loss(model, ids, labels, mask, loss_chunk: int, peaks=None) -> torch.Tensor:
     """The step's mean next-token loss over ``ids [1, n]``. The decoder's final hidden state
     ``[1, n, hidden]`` ends referenced by the loss's graph only, as in the trainer (``objective.loss``):
     the backward frees it after the loss's own backward instead of holding it through every layer's
-    (n x hidden in bf16: 8 GiB of the 8B shape at 1M; held by this script until 2026-12-06)."""
+    (n x hidden in bf16: 8 GiB of the 8B shape at 1M; held by this script until 2026-12-06).
+    ``peaks``: watches the final hidden state (its gradient ends the loss's backward)."""
     from fm_parallel.trainer.model import hidden as decoder_hidden
     from fm_parallel.trainer.objectives import chunked_cross_entropy
 
     n = ids.shape[1]
     hidden = decoder_hidden(model, ids, torch.arange(n, device=ids.device).view(1, n), mask, None, "auto")
+    if peaks is not None:
+        peaks.watch(hidden)
     return chunked_cross_entropy(model.get_base_model().lm_head, hidden, labels, loss_chunk) / n
 
 
@@ -185,6 +200,7 @@ class _TimeUp(Exception):
 def run(shape: str, impl: str, device, args) -> dict:
     import gc
 
+    from fm_parallel.trainer.capacity import PhasePeaks
     from fm_parallel.trainer.flops import peak_tflops, step_flops
     from fm_parallel.trainer.memory import MemoryPlanError, checkpoint_layers, plan_shortfall
     from fm_parallel.trainer.metrics import allocator_stats, compile_seconds, first_step_costs
@@ -200,19 +216,18 @@ def run(shape: str, impl: str, device, args) -> dict:
     began = time.perf_counter()
 
     def attempt(n: int, every: int, offload: int, warm_next: bool = False) -> dict:
-        static = 0.0
+        peaks = None
         if cuda:
             gc.collect()
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            static = torch.cuda.memory_allocated()
+            peaks = PhasePeaks(device)
         policy = checkpoint_layers(model.get_base_model(), offload, every)
         row = {"model": shape, "impl": impl, "n": n, "checkpoint_every": every, "offload_layers": offload,
                "compile": args.compile, "lora_compute": args.lora_compute,
                "device": torch.cuda.get_device_name(device) if cuda else device.type}
         compiled_since = compile_seconds()
         try:
-            seconds = _step(model, impl, n, device, args)
+            seconds = _step(model, impl, n, device, args, peaks)
             row.update(fits=True, step_s=seconds, tokens_per_s=n / seconds)
             if impl == "flashmask":  # the baselines differ in what they compute (dense N x N or block sparse)
                 count = step_flops(model.get_base_model().config, n, _step.last_pairs, tiled=args.tile_chunk > 0,
@@ -228,10 +243,12 @@ def run(shape: str, impl: str, device, args) -> dict:
         row["host_gib"] = policy.host_bytes / 2**30
         row.update(first_step_costs(policy, compiled_since))  # what a first step at this length pays, apart
         if cuda:
-            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            row["static_gib"] = static / 2**30
-            row.update(allocator_stats(device))
-            row["used"] = torch.cuda.max_memory_allocated() - static
+            peaks.finish()  # a step that failed: its running phase's peak
+            row["peak_gib"] = peaks.overall / 2**30
+            row["static_gib"] = peaks.static / 2**30
+            row["phase_peaks_gib"] = {phase: b / 2**30 for phase, b in peaks.peaks.items()}
+            row.update(allocator_stats(device), reserved_gib=peaks.reserved / 2**30)
+            row["used"] = dict(peaks.peaks)
         model.zero_grad(set_to_none=True)
         if cuda and not warm_next:  # the next step is at another length: its pinned blocks would not be reused
             _empty_host_cache()
@@ -239,13 +256,13 @@ def run(shape: str, impl: str, device, args) -> dict:
 
     calibration = None
     if cuda and (planner.every is None or planner.offload is None):
-        measured = []
+        measured = {}
         for n in args.calibrate:
             row = attempt(n, 1, -1)
             if not row["fits"]:
                 raise SystemExit(f"error: --calibrate: the {n}-token step with every checkpoint on the host did not fit "
                                  f"({row.get('error', 'out of memory')}); give shorter calibration lengths")
-            measured.append((n, row["used"]))
+            measured[n] = row["used"]
         calibration = planner.calibrate(measured)
         print(json.dumps({"model": shape, "impl": impl, **calibration}), flush=True)
 

@@ -21,14 +21,18 @@ def _cfg(*argv):
                         "--parallel.cp", "none", *argv], environ={})
 
 
-def _measured(per_token_kib: float, fixed_gib: float = 3.0):
-    """A stated one-layer measurement: the 8B shape's one-layer model (embedding, head, one layer)."""
+def _measured(per_token_kib: float, fixed_gib: float = 3.0, loss_gib: float = 0.0):
+    """A stated one-layer measurement: the 8B shape's one-layer model (embedding, head, one layer). The
+    layers' backward grows ``per_token_kib`` per token over ``fixed_gib``; the loss's backward is a
+    constant ``loss_gib`` (its chunks over the vocabulary)."""
     layer = 218_103_808 * 2  # the layer's bf16 parameters
     adapter = 4 * 2 * 16 * (4096 + 4096) * 4  # LoRA r16 on q/k/v/o (fp32), roughly
 
     def measure(cfg, device, vocab, lengths):
-        return {"static": 2.1 * GIB, "layer": layer, "adapter": adapter, "fixed": fixed_gib * GIB,
-                "per_token": per_token_kib * KIB}
+        measure.lengths = lengths
+        return {"static": 2.1 * GIB, "layer": layer, "adapter": adapter,
+                "peaks": {n: {"forward": 1 * GIB, "loss_backward": loss_gib * GIB,
+                              "layers_backward": fixed_gib * GIB + per_token_kib * KIB * n} for n in lengths}}
 
     return measure
 
@@ -59,6 +63,29 @@ def test_the_plan_at_each_length_asked_directly(h200, n, every, offload):
     assert len(said) == 1 and said[0].startswith(f"memory plan: {n} tokens:")
 
 
+def test_the_plan_takes_the_phase_that_needs_the_most_at_the_length_asked(h200):
+    """At the two short measured lengths the loss's backward (a large constant: its chunks over the
+    vocabulary) peaks above the layers'; one line through the overall peaks would follow the loss and
+    plan 1M too low. Each phase has its own line: at 1M the layers' backward needs the most, and the
+    plan is the one a layers-only measurement gives; at 8k the loss's constant is what is planned."""
+    from fm_parallel.trainer.capacity import plan_run
+
+    plans, said = {}, []
+    for name, measure in (("layers only", _measured(40)), ("with the loss", _measured(40, loss_gib=12.0))):
+        cfg = _cfg("--data.seq_len", str(1 << 20), "--model.host_memory_gib", "100")
+        plans[name] = plan_run(cfg, _Device(), 128256, measure=measure, say=said.append)
+    assert measure.lengths == (131072, 262144)
+    # the overall peaks at the measured lengths: 12 GiB then 13 GiB: the loss's, then the layers'
+    assert plans["with the loss"] == plans["layers only"]
+    assert "the layers backward peaks at this length: 40 KiB per token" in said[-1]
+    short = {name: plan_run(_cfg("--data.seq_len", "8192"), _Device(), 128256, measure=measure, say=said.append)
+             for name, measure in (("layers only", _measured(40)), ("with the loss", _measured(40, loss_gib=12.0)))}
+    assert "the loss backward peaks at this length: 0 KiB per token" in said[-1]
+    # 12 GiB for the loss against 3 GiB + 40 KiB x 8192 for the layers (to the byte, as planned bytes are int)
+    extra = short["with the loss"].device_bytes - short["layers only"].device_bytes
+    assert abs(extra - (12 * GIB - (3 * GIB + 40 * KIB * 8192))) <= 1
+
+
 def test_a_length_that_cannot_fit_is_refused_naming_what_it_needs(h200):
     from fm_parallel.trainer.capacity import plan_run
     from fm_parallel.trainer.config import ConfigError
@@ -66,7 +93,8 @@ def test_a_length_that_cannot_fit_is_refused_naming_what_it_needs(h200):
     cfg = _cfg("--data.seq_len", str(1 << 22), "--model.host_memory_gib", "100")
     with pytest.raises(ConfigError, match=r"data.seq_len: n: 4194304 tokens do not fit: the closest plan needs [\d.]+ GiB "
                                           r"on the device and [\d.]+ GiB of host memory, this machine gives 130.7 GiB and "
-                                          r"100.0 GiB .*measured on one layer: 40 KiB per token"):
+                                          r"100.0 GiB .*measured on one layer at 131072 and 262144 tokens, the layers backward peaks at this "
+                                          r"length: 40 KiB per token"):
         plan_run(cfg, _Device(), 128256, measure=_measured(40), say=lambda s: None)
 
 

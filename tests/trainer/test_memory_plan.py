@@ -113,6 +113,91 @@ def test_the_plan_holds_the_measured_1m_run():
     assert (h100.every, h100.offload_layers) == (3, -1) and h100.device_bytes <= 74.4 * GIB
 
 
+def test_the_step_budget_fits_a_line_per_phase_and_plans_on_the_one_that_needs_the_most():
+    """Two short steps where the loss sets the overall peak: one line through the overall peaks follows
+    the loss (flat) and misses the layers' line at 1M; the budget keeps both and takes, at each length,
+    the phase that needs the most (figures near the H100's 8B shape, docs/long-context.md)."""
+    from fm_parallel.trainer.memory import StepBudget
+
+    def layers(n):
+        return 1.5 * GIB + 36 * 2**10 * n
+
+    peaks = {n: {"forward": 3 * GIB, "loss_backward": 9 * GIB + 4 * n, "layers_backward": layers(n)}
+             for n in (65536, 131072)}
+    budget = StepBudget.fit(peaks)
+    assert budget.at(65536)[0] == "loss_backward" and budget.at(131072)[0] == "loss_backward"
+    phase, fixed, per_token = budget.at(1 << 20)
+    assert phase == "layers_backward" and abs(fixed + per_token * (1 << 20) - layers(1 << 20)) < 1
+    (n1, u1), (n2, u2) = [(n, max(p.values())) for n, p in sorted(peaks.items())]
+    overall = u1 + (u2 - u1) / (n2 - n1) * ((1 << 20) - n1)  # the one line the script used to fit
+    assert layers(1 << 20) - overall > 20 * GIB  # what that line would have missed at 1M
+    assert StepBudget.fit({2: {"a": 5.0}, 1: {"a": 7.0}}).lines == {"a": (7.0, 0.0)}  # a falling slope: flat
+
+
+@pytest.mark.parametrize("peaks, message", [
+    ({1: {"forward": 1.0}}, r"peaks: expected the peaks at 2 lengths, got \[1\]"),
+    ({0: {"forward": 1.0}, 2: {"forward": 1.0}}, r"peaks: expected 2 distinct lengths >= 1, got 0 and 2"),
+    ({1: {"forward": 1.0}, 2: {"loss_backward": 1.0}}, r"peaks: no phase measured at both lengths"),
+])
+def test_the_step_budget_refuses_what_it_cannot_fit(peaks, message):
+    from fm_parallel.trainer.memory import StepBudget
+
+    with pytest.raises(ValueError, match=message):
+        StepBudget.fit(peaks)
+
+
+def test_the_one_layer_measurement_ends_each_phase_where_the_trainer_step_changes_phase(monkeypatch):
+    """Through capacity.measure_one_layer on the CPU, the allocator stood in by a log: the forward ends
+    before the backward, the loss's backward ends when the final hidden state's gradient is complete,
+    before any of the decoder layer's gradients, and by then that hidden state is freed (held by the
+    loss's graph only, as in the trainer's step, not by the measurement: it once held it through the
+    layer's backward, 8 GiB of the 8B shape at 1M above the trainer's runs)."""
+    import weakref
+
+    from fm_parallel.trainer import capacity, model as trainer_model
+    from fm_parallel.trainer.config import load_config
+    from tests.trainer.test_runs import TINY
+
+    log, made = [], []
+    clock = iter(range(1, 10**6))
+    real_peaks = capacity.PhasePeaks
+
+    def phase_peaks(device):
+        peaks = real_peaks(read=lambda: float(next(clock)), reset=lambda: None, allocated=lambda: 0.0)
+        real_end = peaks.end
+        peaks.end = lambda phase: (log.append(phase), real_end(phase))
+        return peaks
+
+    real_hidden = trainer_model.hidden
+
+    def hidden(*a, **k):
+        out = real_hidden(*a, **k)
+        made.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(capacity, "PhasePeaks", phase_peaks)
+    monkeypatch.setattr(trainer_model, "hidden", hidden)
+    real_build = trainer_model.build_model
+
+    def build(*a, **k):  # the layer's gradient: logged with whether the final hidden state is alive then
+        model = real_build(*a, **k)
+        for name, p in model.named_parameters():
+            if p.requires_grad and ".layers.0." in name:
+                p.register_hook(lambda g: log.append(("layer grad", made[-1]() is not None)))
+        return model
+
+    monkeypatch.setattr(trainer_model, "build_model", build)
+    cfg = load_config([*TINY, "--model.tile_chunk", "32"], environ={})
+    got = capacity.measure_one_layer(cfg, torch.device("cpu"), 64, (64, 128))
+    assert sorted(got["peaks"]) == [64, 128]
+    assert all(list(p) == ["forward", "loss_backward", "layers_backward"] for p in got["peaks"].values())
+    starts = [i for i, e in enumerate(log) if e == "forward"]
+    assert len(starts) == 2
+    for step in (log[:starts[1]], log[starts[1]:]):
+        assert step[:2] == ["forward", "loss_backward"] and step[-1] == "layers_backward"
+        assert step[2:-1] and all(e == ("layer grad", False) for e in step[2:-1])
+
+
 def test_a_length_no_plan_fits_is_refused_naming_what_it_needs():
     from fm_parallel.trainer.memory import MemoryPlanError, plan_memory
 
