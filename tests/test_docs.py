@@ -189,6 +189,11 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
                   "and the H100, 2026-12-05)"),
     ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_1m.toml --resume"):
         Skip(GPU, "8B model at 1M tokens, resumed for its third step (run on the H200, 2026-12-06, and the H100, 2026-12-05)"),
+    ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_1m.toml --training.steps 5 "
+                             "--output.stop_after 2"):
+        Skip(GPU, "8B model at 1M tokens, the plan by phase, two of five steps and a checkpoint (run on the H100, 2026-12-06)"),
+    ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_1m.toml --training.steps 5 --resume"):
+        Skip(GPU, "8B model at 1M tokens, resumed for steps 3 to 5 (run on the H100, 2026-12-06)"),
     ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --lengths 262144 524288 524288 "
                              "--calibrate 65536 131072"):
         Skip(GPU, "8B model planned at 256k and 512k, 512k twice (run on the H200, 2026-12-06)"),
