@@ -1,0 +1,83 @@
+"""GPU check of the memory plan made phase by phase (fm_parallel/trainer/capacity.py, ``StepBudget`` in
+fm_parallel/trainer/memory.py): the phases' peaks add up to the step's own peak (the resets between
+them lose nothing), and the trainer's own plan, asked for a length directly, holds its steps.
+
+    FM_FA4_SITE=/tmp/site python -m pytest -q -rs tests/gpu/test_memory_plan.py     # on the H200
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.gpu import needs_cuda
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--model.hidden_size", "1024", "--model.layers", "4", "--model.heads", "8", "--model.kv_heads", "2",
+         "--model.intermediate_size", "2048", "--model.lora_rank", "8", "--model.tile_chunk", "4096",
+         "--model.attention_chunk", "8192", "--training.loss_chunk", "4096", "--parallel.cp", "none"]
+
+
+@needs_cuda
+def test_the_phases_peaks_are_the_steps_peak():
+    """The same step twice: once under torch's plain peak, once phase by phase (the peak reset at
+    each phase's end). The largest phase is the plain peak, to the allocator's rounding."""
+    from fm_parallel import masks
+    from fm_parallel.trainer.capacity import PhasePeaks
+    from fm_parallel.trainer.config import load_config
+    from fm_parallel.trainer.model import build_model, hidden
+    from fm_parallel.trainer.objectives import chunked_cross_entropy
+
+    device = torch.device("cuda")
+    cfg = load_config([*SMALL, "--data.seq_len", "32768"], environ={})
+    model = build_model(cfg, 258, device)
+    n = 32768
+    mask = masks.document(masks.sample_lengths(n)).to(device)
+    ids = torch.randint(0, 258, (1, n), device=device)
+    positions = torch.arange(n, device=device).view(1, n)
+
+    def step(peaks=None):
+        h = hidden(model, ids, positions, mask, None, "auto")
+        if peaks is not None:
+            peaks.watch(h)
+        loss = chunked_cross_entropy(model.get_base_model().lm_head, h, ids, 4096)
+        del h
+        if peaks is not None:
+            peaks.end("forward")
+        loss.backward()
+        if peaks is not None:
+            peaks.end("layers_backward")
+        model.zero_grad(set_to_none=True)
+
+    step()  # warm: compiles the tiled parts outside both measurements
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    static = torch.cuda.memory_allocated(device)
+    step()
+    plain = torch.cuda.max_memory_allocated(device) - static
+    peaks = PhasePeaks(device)
+    step(peaks)
+    assert list(peaks.peaks) == ["forward", "loss_backward", "layers_backward"]
+    assert abs(max(peaks.peaks.values()) - plain) <= 2**20, (peaks.peaks, plain)
+
+
+@needs_cuda
+def test_the_trainers_plan_holds_its_steps(tmp_path):
+    """Through the trainer's command, a length asked directly with ``memory_plan = "auto"``: every
+    step's peak is at or under the plan it printed (no ``memory plan missed`` warning)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FM_") or k == "FM_FA4_SITE"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "fm_parallel.launch", *SMALL, "--data.seq_len", "131072", "--model.memory_plan", "auto",
+         "--training.steps", "2", "--training.warmup", "1", "--output.dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "memory plan: 131072 tokens:" in out and "peaks at this length" in out, out[-4000:]
+    assert "memory plan missed" not in out, out[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "memory_gib" in r]
+    assert len(steps) == 2 and all(r["memory_gib"] <= r["planned_gib"] for r in steps), steps
