@@ -46,6 +46,26 @@ def dense_reference(q, k, v, dense):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense | ~seen) * seen
 
 
+TOLERANCE = 1e-4  # float32: both sides are about 1e-6 from a float64 reference on every family
+
+
+def which_side_deviates(q, k, v, dout, dense, results) -> str:
+    """For a row that disagrees: each side's largest error against SDPA in float64 on the same
+    inputs, and where (a disagreement seen now and then in CI, cause unknown: this says which side)."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = dense_reference(q64, k64, v64, dense)
+    want.backward(dout.double())
+    lines = []
+    for side, (out, grads, _) in zip(("flashmask", "sdpa"), results):
+        error = (out.double() - want.detach()).abs()
+        where = [int(i) for i in (error == error.max()).nonzero()[0]]
+        grad_errors = ", ".join(f"d{name} {(g.double() - t.grad).abs().max().item():.2e}"
+                                for name, g, t in zip("qkv", grads, (q64, k64, v64)))
+        lines.append(f"    {side} against float64: out {error.max().item():.2e} at [batch, head, row, dim] {where}; "
+                     f"{grad_errors}; threads {torch.get_num_threads()}")
+    return "\n".join(lines)
+
+
 def human(nbytes: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if nbytes < 1000:
@@ -89,10 +109,12 @@ def main() -> None:
         print(f"{name:32s} {out_diff:14.2e} {grad_diff:15.2e} {t1 * 1e3:8.0f} {t2 * 1e3:9.0f} "
               f"{stats.skip_ratio:12.1%} {stats.density:8.3f} {human(mask.nbytes):>9s} {human(n * n):>9s} "
               f"{human((512 * 1024) ** 2):>11s}")
+        if max(out_diff, grad_diff) >= TOLERANCE:
+            print(which_side_deviates(q, k, v, dout, dense, results))
     n512 = 512 * 1024
     print(f"\nAt 512k tokens a dense bool mask takes {human(n512 * n512)}; the FlashMask bounds take "
           f"{human(masks.document([4096] * 128).nbytes)} ({n512 * n512 / masks.document([4096] * 128).nbytes:,.0f}x less).")
-    ok = worst < 1e-4
+    ok = worst < TOLERANCE
     print(f"All masks agree with dense attention: {'yes' if ok else 'NO'} (largest difference {worst:.1e}, float32)")
     raise SystemExit(0 if ok else 1)
 

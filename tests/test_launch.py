@@ -22,6 +22,31 @@ def test_quickstart_runs_and_agrees_with_dense_attention():
     assert "packed docs (seed)" in proc.stdout and "274.9 GB" in proc.stdout
 
 
+def test_quickstart_says_which_side_deviates_when_a_row_disagrees():
+    """The quickstart's check fails now and then in CI on its causal row (cause unknown, not reproduced
+    here); a failing row then prints each side against float64, so the log names the side."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    import quickstart
+
+    from fm_parallel import flashmask_attention, masks
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, 2, 64, 16)
+    mask = masks.causal(64)
+    dense = mask.to_dense()
+    results = []
+    for run in (lambda: flashmask_attention(q, k, v, mask=mask), lambda: quickstart.dense_reference(q, k, v, dense) * 1.01):
+        out = run()
+        out.backward(dout)
+        results.append((out.detach(), [t.grad.clone() for t in (q, k, v)], 0.0))
+        for t in (q, k, v):
+            t.grad = None
+    ours, sdpa = quickstart.which_side_deviates(q, k, v, dout, dense, results).splitlines()
+    error = {line.split()[0]: float(line.split("out ")[1].split()[0]) for line in (ours, sdpa)}
+    assert error["flashmask"] < 1e-5 < 1e-3 < error["sdpa"]
+
+
 def test_ring_planner_report(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "launch" / "bench" / "ring_cpu.py"), "--skip-run", "--n", "4096",
