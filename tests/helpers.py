@@ -81,3 +81,24 @@ def tiny_lora_llama(*argv: str, layers: int, dtype: str = "float64"):
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(hash(name) % 2**31))
     return model
+
+
+def track_final_hidden_states(monkeypatch) -> list:
+    """Wrap ``fm_parallel.trainer.model.hidden`` (the decoder's final hidden state, what the loss reads)
+    so that every state it returns is recorded by weak reference: ``made[-1]() is None`` once the step
+    has freed the latest one. Returns ``made``, the list it fills."""
+    import weakref
+
+    import fm_parallel.trainer.model as trainer_model
+
+    made = []
+    real_hidden = trainer_model.hidden
+
+    def hidden(*args, **kwargs):
+        out = real_hidden(*args, **kwargs)
+        made.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(trainer_model, "hidden", hidden)
+    return made
+

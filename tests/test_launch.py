@@ -133,9 +133,6 @@ def test_max_context_step_frees_the_final_hidden_state_before_the_layers_backwar
     computed. The step once kept it in a local through the whole backward, 8 GiB above the
     trainer at the 1M peak (docs/long-context.md, the budget term by term)."""
     import types
-    import weakref
-
-    import fm_parallel.trainer.model as trainer_model
 
     sys.path.insert(0, str(ROOT / "launch" / "bench"))
     from max_context import _model, _step
@@ -143,15 +140,7 @@ def test_max_context_step_frees_the_final_hidden_state_before_the_layers_backwar
     args = types.SimpleNamespace(tile_chunk=64, attention_chunk=128, compile="off", lora_compute="base", max=512,
                                  loss_chunk=64)
     model = _model("tiny", "flashmask", torch.device("cpu"), args)
-    made = []
-    real_hidden = trainer_model.hidden
-
-    def hidden(*a, **k):
-        out = real_hidden(*a, **k)
-        made.append(weakref.ref(out))
-        return out
-
-    monkeypatch.setattr(trainer_model, "hidden", hidden)
+    made = track_final_hidden_states(monkeypatch)
     first_layer = [p for name, p in model.named_parameters() if p.requires_grad and ".layers.0." in name]
     alive_then = []
     first_layer[0].register_hook(lambda g: alive_then.append(made[-1]() is not None))

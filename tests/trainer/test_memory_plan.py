@@ -152,13 +152,12 @@ def test_the_one_layer_measurement_ends_each_phase_where_the_trainer_step_change
     before any of the decoder layer's gradients, and by then that hidden state is freed (held by the
     loss's graph only, as in the trainer's step, not by the measurement: it once held it through the
     layer's backward, 8 GiB of the 8B shape at 1M above the trainer's runs)."""
-    import weakref
-
     from fm_parallel.trainer import capacity, model as trainer_model
+    from tests.helpers import track_final_hidden_states
     from fm_parallel.trainer.config import load_config
     from tests.trainer.test_runs import TINY
 
-    log, made = [], []
+    log = []
     clock = iter(range(1, 10**6))
     real_peaks = capacity.PhasePeaks
 
@@ -168,15 +167,8 @@ def test_the_one_layer_measurement_ends_each_phase_where_the_trainer_step_change
         peaks.end = lambda phase: (log.append(phase), real_end(phase))
         return peaks
 
-    real_hidden = trainer_model.hidden
-
-    def hidden(*a, **k):
-        out = real_hidden(*a, **k)
-        made.append(weakref.ref(out))
-        return out
-
+    made = track_final_hidden_states(monkeypatch)
     monkeypatch.setattr(capacity, "PhasePeaks", phase_peaks)
-    monkeypatch.setattr(trainer_model, "hidden", hidden)
     real_build = trainer_model.build_model
 
     def build(*a, **k):  # the layer's gradient: logged with whether the final hidden state is alive then
