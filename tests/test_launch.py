@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import track_final_hidden_states
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
