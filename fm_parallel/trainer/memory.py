@@ -295,7 +295,8 @@ def plan_memory(n: int, *, layers: int, hidden: int, itemsize: int, fixed_bytes:
     a measured budget (no trial and error): ``fixed_bytes`` (weights, optimizer, the step's constants)
     and ``bytes_per_token`` (everything else that grows with n but the checkpoints: one layer's
     working set, its recompute, the tiled MLP and loss chunks), measured by two short steps with every
-    checkpoint on the host (``fixed + per_token * n`` fitted through both peaks).
+    checkpoint on the host: the line of the phase that needs the most at ``n``
+    (:meth:`StepBudget.at`, each phase's ``fixed + per_token * n`` fitted through its two peaks).
 
     A checkpoint is ``n * hidden * itemsize`` bytes. With ``C = ceil(layers / every)`` checkpoints of
     which ``c`` are offloaded, the device holds ``fixed + per_token * n + (C - c)`` checkpoints, plus,
