@@ -83,22 +83,27 @@ def tiny_lora_llama(*argv: str, layers: int, dtype: str = "float64"):
     return model
 
 
-def track_final_hidden_states(monkeypatch) -> list:
-    """Wrap ``fm_parallel.trainer.model.hidden`` (the decoder's final hidden state, what the loss reads)
-    so that every state it returns is recorded by weak reference: ``made[-1]() is None`` once the step
-    has freed the latest one. Returns ``made``, the list it fills."""
+def track_returns(monkeypatch, owner, name: str) -> list:
+    """Replace ``owner.name`` (a function of a module or object) by one that records every value it
+    returns by weak reference: ``made[-1]() is None`` once the latest is freed. Returns ``made``, the
+    list it fills."""
     import weakref
 
-    import fm_parallel.trainer.model as trainer_model
-
     made = []
-    real_hidden = trainer_model.hidden
+    real = getattr(owner, name)
 
-    def hidden(*args, **kwargs):
-        out = real_hidden(*args, **kwargs)
+    def tracked(*args, **kwargs):
+        out = real(*args, **kwargs)
         made.append(weakref.ref(out))
         return out
 
-    monkeypatch.setattr(trainer_model, "hidden", hidden)
+    monkeypatch.setattr(owner, name, tracked)
     return made
 
+
+def track_final_hidden_states(monkeypatch) -> list:
+    """:func:`track_returns` of ``fm_parallel.trainer.model.hidden``: the decoder's final hidden state,
+    what the loss reads."""
+    import fm_parallel.trainer.model as trainer_model
+
+    return track_returns(monkeypatch, trainer_model, "hidden")

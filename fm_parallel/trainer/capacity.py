@@ -30,7 +30,8 @@ import torch
 from fm_parallel.trainer.config import Config, ConfigError
 from fm_parallel.trainer.memory import GIB, MemoryPlan, MemoryPlanError, StepBudget, plan_memory
 
-__all__ = ["PHASES", "PhasePeaks", "plan_run", "measure_one_layer", "worst_case_mask", "host_memory_bytes"]
+__all__ = ["PHASES", "PhasePeaks", "plan_run", "measure_one_layer", "measured_loss", "worst_case_mask",
+           "host_memory_bytes"]
 
 PHASES = ("forward", "loss_backward", "layers_backward", "optimizer")
 
@@ -100,6 +101,25 @@ class PhasePeaks:
         return self.static + max(self.peaks.values(), default=0.0)
 
 
+def measured_loss(model, ids: torch.Tensor, labels: torch.Tensor, mask, loss_chunk: int, impl: str = "auto",
+                  peaks: PhasePeaks | None = None) -> torch.Tensor:
+    """The summed next-token loss of ``ids [1, n]`` against ``labels [1, n]``, computed as the trainer's
+    step computes it (``objective.loss``), for the steps that measure memory (:func:`measure_one_layer`,
+    ``launch/bench/max_context.py``): the decoder's final hidden state ``[1, n, hidden]`` ends referenced
+    by the loss's graph only, so the backward frees it after the loss's own backward. Held by a
+    caller through the layers' backward it adds n x hidden (8 GiB of the 8B shape at 1M) that the
+    trainer never holds (both measurements did until 2026-12-06). ``peaks``: watches that state (its
+    gradient ends the loss's backward)."""
+    from fm_parallel.trainer.model import hidden
+    from fm_parallel.trainer.objectives import chunked_cross_entropy
+
+    n = ids.shape[1]
+    h = hidden(model, ids, torch.arange(n, device=ids.device).view(1, n), mask, None, impl)
+    if peaks is not None:
+        peaks.watch(h)
+    return chunked_cross_entropy(model.get_base_model().lm_head, h, labels, loss_chunk)
+
+
 def host_memory_bytes() -> int:
     """The host's memory (``MemTotal``), 0 where it cannot be read."""
     try:
@@ -138,8 +158,7 @@ def measure_one_layer(cfg: Config, device: torch.device, vocab_size: int, length
     bytes) and ``peaks`` (``{n: {phase: bytes above static}}``, :class:`PhasePeaks`; the final hidden
     state is held by the loss's graph only, as in the trainer's step)."""
     from fm_parallel.trainer.memory import decoder_layers
-    from fm_parallel.trainer.model import build_model, hidden
-    from fm_parallel.trainer.objectives import chunked_cross_entropy
+    from fm_parallel.trainer.model import build_model
 
     one = copy.deepcopy(cfg)
     one.model.layers, one.model.checkpoint_every, one.model.offload_layers = 1, 1, -1
@@ -147,7 +166,6 @@ def measure_one_layer(cfg: Config, device: torch.device, vocab_size: int, length
     model = build_model(one, vocab_size, device)
     layer = sum(p.numel() * p.element_size() for p in decoder_layers(model)[0].parameters())
     adapter = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    head = model.get_base_model().lm_head
     peaks = {}
     for n in lengths:
         gc.collect()
@@ -156,10 +174,7 @@ def measure_one_layer(cfg: Config, device: torch.device, vocab_size: int, length
         ids = torch.randint(0, vocab_size, (1, n), device=device)
         phases = PhasePeaks(device)
         static = phases.static
-        h = hidden(model, ids, torch.arange(n, device=device).view(1, n), mask, None, cfg.parallel.impl or "auto")
-        phases.watch(h)
-        loss = chunked_cross_entropy(head, h, ids, cfg.training.loss_chunk)
-        del h
+        loss = measured_loss(model, ids, ids, mask, cfg.training.loss_chunk, cfg.parallel.impl or "auto", phases)
         phases.end("forward")
         loss.backward()
         del loss
@@ -167,7 +182,7 @@ def measure_one_layer(cfg: Config, device: torch.device, vocab_size: int, length
         peaks[n] = phases.peaks
         model.zero_grad(set_to_none=True)
     result = {"static": static, "layer": layer, "adapter": adapter, "peaks": peaks}
-    del model, head
+    del model
     gc.collect()
     torch.cuda.empty_cache()
     return result

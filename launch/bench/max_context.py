@@ -130,8 +130,10 @@ class Planner:
 
 def _step(model, impl: str, n: int, device, args, peaks=None) -> float:
     """One training step on a packed row of ``n`` tokens (documents of mean length 2048); its seconds.
-    ``peaks``: a ``fm_parallel.trainer.capacity.PhasePeaks`` to record the step's phases in."""
+    ``peaks``: a ``fm_parallel.trainer.capacity.PhasePeaks`` to record the step's phases in. The loss
+    holds what the trainer's holds (``fm_parallel.trainer.capacity.measured_loss``)."""
     from fm_parallel import masks
+    from fm_parallel.trainer.capacity import measured_loss
 
     host_mask = masks.document(masks.sample_lengths(n))
     pairs = int(host_mask.visible_pairs().sum())
@@ -143,7 +145,7 @@ def _step(model, impl: str, n: int, device, args, peaks=None) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    loss = _loss(model, ids, labels, mask, args.loss_chunk, peaks)
+    loss = measured_loss(model, ids, labels, mask, args.loss_chunk, "auto", peaks) / n
     if peaks is not None:
         peaks.end("forward")
     loss.backward()
@@ -158,22 +160,6 @@ def _step(model, impl: str, n: int, device, args, peaks=None) -> float:
     seconds = time.perf_counter() - t0
     _step.last_pairs = pairs
     return seconds
-
-
-def _loss(model, ids, labels, mask, loss_chunk: int, peaks=None) -> torch.Tensor:
-    """The step's mean next-token loss over ``ids [1, n]``. The decoder's final hidden state
-    ``[1, n, hidden]`` ends referenced by the loss's graph only, as in the trainer (``objective.loss``):
-    the backward frees it after the loss's own backward instead of holding it through every layer's
-    (n x hidden in bf16: 8 GiB of the 8B shape at 1M; held by this script until 2026-12-06).
-    ``peaks``: watches the final hidden state (its gradient ends the loss's backward)."""
-    from fm_parallel.trainer.model import hidden as decoder_hidden
-    from fm_parallel.trainer.objectives import chunked_cross_entropy
-
-    n = ids.shape[1]
-    hidden = decoder_hidden(model, ids, torch.arange(n, device=ids.device).view(1, n), mask, None, "auto")
-    if peaks is not None:
-        peaks.watch(hidden)
-    return chunked_cross_entropy(model.get_base_model().lm_head, hidden, labels, loss_chunk) / n
 
 
 def _is_oom(e: BaseException) -> bool:

@@ -26,10 +26,9 @@ def test_the_phases_peaks_are_the_steps_peak():
     """The same step twice: once under torch's plain peak, once phase by phase (the peak reset at
     each phase's end). The largest phase is the plain peak, to the allocator's rounding."""
     from fm_parallel import masks
-    from fm_parallel.trainer.capacity import PhasePeaks
+    from fm_parallel.trainer.capacity import PhasePeaks, measured_loss
     from fm_parallel.trainer.config import load_config
-    from fm_parallel.trainer.model import build_model, hidden
-    from fm_parallel.trainer.objectives import chunked_cross_entropy
+    from fm_parallel.trainer.model import build_model
 
     device = torch.device("cuda")
     cfg = load_config([*SMALL, "--data.seq_len", "32768"], environ={})
@@ -37,14 +36,9 @@ def test_the_phases_peaks_are_the_steps_peak():
     n = 32768
     mask = masks.document(masks.sample_lengths(n)).to(device)
     ids = torch.randint(0, 258, (1, n), device=device)
-    positions = torch.arange(n, device=device).view(1, n)
 
     def step(peaks=None):
-        h = hidden(model, ids, positions, mask, None, "auto")
-        if peaks is not None:
-            peaks.watch(h)
-        loss = chunked_cross_entropy(model.get_base_model().lm_head, h, ids, 4096)
-        del h
+        loss = measured_loss(model, ids, ids, mask, 4096, "auto", peaks)
         if peaks is not None:
             peaks.end("forward")
         loss.backward()

@@ -315,21 +315,14 @@ def test_a_launch_frees_its_tensors_on_return_without_the_cyclic_gc(monkeypatch,
 def test_temporaries_of_a_replay_are_freed_on_return(monkeypatch):
     """The replay's own allocations (FA4's temporaries) die with the call, cyclic GC off."""
     import gc
-    import weakref
+
+    from tests.helpers import track_returns
 
     module = _make_interface(monkeypatch)
     store, bias = {}, torch.randn(3, 4)
     for _ in range(2):
         _run(module, store, torch.randn(3, 4), bias)
-    made = []
-    real_empty_strided = torch.empty_strided
-
-    def tracked(*a, **k):
-        t = real_empty_strided(*a, **k)
-        made.append(weakref.ref(t))
-        return t
-
-    monkeypatch.setattr(torch, "empty_strided", tracked)
+    made = track_returns(monkeypatch, torch, "empty_strided")
     gc.collect()
     gc.disable()
     try:
