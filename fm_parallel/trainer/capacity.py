@@ -164,6 +164,11 @@ def measure_one_layer(cfg: Config, device: torch.device, vocab_size: int, length
     one.model.layers, one.model.checkpoint_every, one.model.offload_layers = 1, 1, -1
     one.model.activation_checkpointing, one.model.memory_plan = True, "fixed"
     model = build_model(one, vocab_size, device)
+    # Every real layer but the first takes an input that needs a gradient, so its backward makes dx
+    # (n x hidden, 8 GiB of the 8B shape at 1M) and each tile's input gradient; the one layer here
+    # would take the frozen embedding's output and make neither (tiling.py allocates dx only when the
+    # input needs a gradient): measured without them, the plan was one checkpoint's size short.
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: out.detach().requires_grad_())
     layer = sum(p.numel() * p.element_size() for p in decoder_layers(model)[0].parameters())
     adapter = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     peaks = {}
@@ -218,22 +223,22 @@ def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
     static, layer, adapter, *rest = values
     budget = StepBudget.fit({k: dict(zip(phases, rest[i * len(phases):(i + 1) * len(phases)]))
                              for i, k in enumerate(lengths)})
-    phase, fixed, per_token = budget.at(n)
     layers, hidden = _shape(cfg)
     total = torch.cuda.get_device_properties(device).total_memory
     device_budget = m.device_memory_gib * GIB if m.device_memory_gib else 0.94 * total
     host_budget = m.host_memory_gib * GIB if m.host_memory_gib else 0.75 * host_memory_bytes()
-    # The real model's constants: the one-layer model's, L - 1 more layers, every adapter's AdamW moments.
-    constant = static + (layers - 1) * layer + (layers - 1) * adapter + 2 * layers * adapter + fixed
+    # The real model's static memory: the one-layer model's, L - 1 more layers, every adapter's AdamW moments.
+    constant = static + (layers - 1) * layer + (layers - 1) * adapter + 2 * layers * adapter
     itemsize = {"float32": 4, "float64": 8}.get(m.dtype, 2)
-    measured = (f"measured on one layer at {lengths[0]} and {lengths[1]} tokens, the {phase.replace('_', ' ')} "
-                f"peaks at this length: {per_token / 2**10:.0f} KiB per token beyond the checkpoints, "
-                f"{constant / GIB:.1f} GiB fixed")
+    where = f"measured on one layer at {lengths[0]} and {lengths[1]} tokens"
     try:
-        plan = plan_memory(n, layers=layers, hidden=hidden, itemsize=itemsize, fixed_bytes=constant,
-                           bytes_per_token=per_token, device_budget=device_budget, host_budget=host_budget)
+        plan = plan_memory(n, layers=layers, hidden=hidden, itemsize=itemsize, static_bytes=constant, budget=budget,
+                           device_budget=device_budget, host_budget=host_budget)
     except MemoryPlanError as e:
-        raise ConfigError(f"data.seq_len: {e} (model.memory_plan = 'auto', {measured})") from None
+        raise ConfigError(f"data.seq_len: {e} (model.memory_plan = 'auto', {where})") from None
+    fixed, per_token = budget.lines[plan.phase]
+    measured = (f"{where}, the {plan.phase.replace('_', ' ')} peaks at this length: {per_token / 2**10:.0f} KiB per "
+                f"token beyond the checkpoints, {(constant + fixed) / GIB:.1f} GiB fixed")
     m.checkpoint_every, m.offload_layers = plan.every, plan.offload_layers
     say(f"memory plan: {plan} ({measured})")
     return plan

@@ -24,7 +24,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["CheckpointPolicy", "HostOffload", "MemoryPlan", "MemoryPlanError", "StepBudget", "checkpoint_layers",
-           "decoder_layers", "plan_memory", "prefer_expandable_segments"]
+           "decoder_layers", "inputs_held", "plan_memory", "prefer_expandable_segments"]
 
 ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
@@ -223,17 +223,47 @@ class MemoryPlanError(ValueError):
 @dataclass(frozen=True)
 class MemoryPlan:
     """Where one step's checkpoints live at length ``n``: ``every`` layers per checkpoint, the first
-    ``offload_layers`` layers' checkpoints (-1: all) on the host; the predicted peaks in bytes."""
+    ``offload_layers`` layers' checkpoints (-1: all) on the host; the predicted peaks in bytes, and the
+    phase (``fm_parallel.trainer.capacity.PHASES``) predicted to set the device's peak."""
 
     n: int
     every: int
     offload_layers: int
     device_bytes: int
     host_bytes: int
+    phase: str = ""
 
     def __str__(self) -> str:
         return (f"{self.n} tokens: a checkpoint every {self.every} layer(s), {self.offload_layers} layer(s) offloaded "
                 f"(-1: all); predicted {self.device_bytes / GIB:.1f} GiB on the device, {self.host_bytes / GIB:.1f} GiB host")
+
+
+def inputs_held(phase: str, layers: int, every: int, offloaded: int) -> int:
+    """How many layer inputs (``n x hidden`` each: kept checkpoints and a segment's recomputed inputs)
+    the device holds at ``phase``'s peak beyond those in that phase's measured line, with a checkpoint
+    every ``every`` layers of which the first ``offloaded`` (of ``ceil(layers / every)``) are on the
+    host. The lines are measured with a checkpoint per layer, each on the host: they hold no kept
+    checkpoint, and in the layers' backward one input copied back from the host.
+
+    * ``forward``, ``loss_backward``: every kept checkpoint (none is freed before the layers' backward).
+    * ``layers_backward``: the backward runs from the last segment down and frees each segment's
+      checkpoint after it, so segment ``s`` reaches its peak holding the kept checkpoints below it
+      (``max(s - offloaded, 0)``: the kept ones are the last) and its other ``len(s) - 1`` inputs,
+      recomputed; its own checkpoint, kept or copied back, is the line's copied-back input. The most
+      over the segments. Counting every kept checkpoint here (the plan until 2026-12-06) put the
+      trainer's 1M plans one checkpoint (8 GiB) above what its steps held, on the H100 (2 kept) and
+      the H200 (9 kept) alike (docs/long-context.md).
+    * ``optimizer``: none. Any other phase (a line through a step's overall peaks): the most any
+      phase holds, every kept checkpoint and a segment's other inputs."""
+    count = math.ceil(layers / every)
+    kept = count - offloaded
+    if phase in ("forward", "loss_backward"):
+        return kept
+    if phase == "optimizer":
+        return 0
+    if phase == "layers_backward":
+        return max(max(s - offloaded, 0) + min(every, layers - s * every) - 1 for s in range(count))
+    return kept + every - 1
 
 
 @dataclass(frozen=True)
@@ -268,10 +298,14 @@ class StepBudget:
             raise ValueError(f"peaks: no phase measured at both lengths, got {sorted(p1)} and {sorted(p2)}")
         return cls(dict(sorted(lines.items())))
 
-    def at(self, n: int) -> tuple[str, float, float]:
-        """The phase that needs the most at ``n`` tokens, with its ``(fixed, per_token)``."""
-        phase = max(self.lines, key=lambda p: self.lines[p][0] + self.lines[p][1] * n)
-        return (phase, *self.lines[phase])
+    def need(self, n: int, input_bytes: float, layers: int, every: int, offloaded: int) -> tuple[str, float]:
+        """The phase that needs the most at ``n`` tokens with a checkpoint every ``every`` of ``layers``
+        layers, the first ``offloaded`` checkpoints on the host, and its bytes: its line plus the layer
+        inputs of ``input_bytes`` each that it holds beyond the line (:func:`inputs_held`)."""
+        needs = {phase: fixed + per_token * n + inputs_held(phase, layers, every, offloaded) * input_bytes
+                 for phase, (fixed, per_token) in self.lines.items()}
+        phase = max(needs, key=needs.get)
+        return phase, needs[phase]
 
 
 def plan_shortfall(plan: MemoryPlan | None, peak_bytes: float) -> str | None:
@@ -288,23 +322,22 @@ def plan_shortfall(plan: MemoryPlan | None, peak_bytes: float) -> str | None:
             f"row may run out of memory: give model.device_memory_gib lower to plan with more room")
 
 
-def plan_memory(n: int, *, layers: int, hidden: int, itemsize: int, fixed_bytes: float, bytes_per_token: float,
+def plan_memory(n: int, *, layers: int, hidden: int, itemsize: int, static_bytes: float, budget: StepBudget,
                 device_budget: float, host_budget: float, every: int | None = None,
                 offload_layers: int | None = None) -> MemoryPlan:
     """The plan for a step of ``n`` tokens that does the least extra work, from the model's shape and
-    a measured budget (no trial and error): ``fixed_bytes`` (weights, optimizer, the step's constants)
-    and ``bytes_per_token`` (everything else that grows with n but the checkpoints: one layer's
-    working set, its recompute, the tiled MLP and loss chunks), measured by two short steps with every
-    checkpoint on the host: the line of the phase that needs the most at ``n``
-    (:meth:`StepBudget.at`, each phase's ``fixed + per_token * n`` fitted through its two peaks).
+    a measured budget (no trial and error): ``static_bytes`` (weights, adapters and their optimizer
+    state: what is allocated before the step) and ``budget`` (each phase's ``fixed + per_token * n``
+    above it beyond the checkpoints: a layer's working set, its recompute, the tiled MLP and loss
+    chunks; measured by two short steps with every checkpoint on the host, :class:`StepBudget`).
 
-    A checkpoint is ``n * hidden * itemsize`` bytes. With ``C = ceil(layers / every)`` checkpoints of
-    which ``c`` are offloaded, the device holds ``fixed + per_token * n + (C - c)`` checkpoints, plus,
-    for ``every > 1``, the ``every - 1`` other layer inputs of the segment being recomputed (its own
-    input is a checkpoint already counted, or, copied back from the host, part of ``per_token``: the
-    calibration keeps every checkpoint there); the host holds ``c``. Measured against it: 512k,
-    ``every`` 1, 24 of 32 offloaded: 70.8 GiB planned, 71.1 measured; 1M, ``every`` 3, 9 of 11
-    offloaded: 82.7 planned, 66.2 measured (H100, docs/long-context.md).
+    A layer input (a checkpoint) is ``n * hidden * itemsize`` bytes. With ``C = ceil(layers / every)``
+    checkpoints of which the first ``c`` are offloaded, the device needs, in the phase that needs the
+    most (:meth:`StepBudget.need`), ``static + fixed + per_token * n`` and the layer inputs that phase
+    holds (:func:`inputs_held`: the ``C - c`` kept checkpoints in the forward and the loss's backward;
+    in the layers' backward, a segment's other ``every - 1`` inputs being recomputed and the kept
+    checkpoints below it); the host holds ``c``. Measured against it (docs/long-context.md): 512k,
+    ``every`` 1, 24 of 32 offloaded: 70.8 GiB planned, 71.1 measured (H100).
     Candidates go from ``every`` 1 (no recompute beyond the tiled layers' own), then 2, 3, ... (each
     costs the same one more forward of every layer: the order among them only trades device memory
     for host copies; docs/long-context.md) and, for each, the fewest offloaded checkpoints (host
@@ -313,23 +346,24 @@ def plan_memory(n: int, *, layers: int, hidden: int, itemsize: int, fixed_bytes:
     if n < 1:
         raise ValueError(f"n: expected a length >= 1, got {n}")
     ckpt = n * hidden * itemsize
-    best: tuple[float, float, float] | None = None  # (overflow, device, host) of the closest miss
+    best: tuple[float, float, float, str] | None = None  # (overflow, device, host, phase) of the closest miss
     for k in ([every] if every is not None else range(1, layers + 1)):
         count = math.ceil(layers / k)
         choices = range(count + 1)
         if offload_layers is not None:
             choices = [count if offload_layers < 0 else math.ceil(min(offload_layers, layers) / k)]
         for off in choices:
-            device = fixed_bytes + bytes_per_token * n + (count - off) * ckpt + (k - 1) * ckpt
-            host = off * ckpt
+            phase, need = budget.need(n, ckpt, layers, k, off)
+            device, host = static_bytes + need, off * ckpt
             if device <= device_budget and host <= host_budget:
-                return MemoryPlan(n, k, -1 if off == count else min(off * k, layers), int(device), int(host))
+                return MemoryPlan(n, k, -1 if off == count else min(off * k, layers), int(device), int(host), phase)
             miss = max(device - device_budget, 0) + max(host - host_budget, 0)
             if best is None or miss < best[0]:
-                best = (miss, device, host)
-    _, device, host = best
+                best = (miss, device, host, phase)
+    _, device, host, phase = best
+    fixed, per_token = budget.lines[phase]
     raise MemoryPlanError(
         f"n: {n} tokens do not fit: the closest plan needs {device / GIB:.1f} GiB on the device and {host / GIB:.1f} GiB "
         f"of host memory, this machine gives {device_budget / GIB:.1f} GiB and {host_budget / GIB:.1f} GiB "
-        f"({layers} layers, a checkpoint of {ckpt / GIB:.2f} GiB each, {bytes_per_token / 2**10:.0f} KiB per token "
-        f"beyond them, {fixed_bytes / GIB:.1f} GiB fixed)")
+        f"({layers} layers, a checkpoint of {ckpt / GIB:.2f} GiB each; at its peak, the {phase.replace('_', ' ')}: "
+        f"{per_token / 2**10:.0f} KiB per token beyond the checkpoints, {(static_bytes + fixed) / GIB:.1f} GiB fixed)")

@@ -121,11 +121,9 @@ class Planner:
 
         if self.budget is None:
             return MemoryPlan(n, self.every or 1, self.offload or 0, 0, 0)
-        _, fixed, per_token = self.budget.at(n)
         return plan_memory(n, layers=self.layers, hidden=self.hidden, itemsize=self.itemsize,
-                           fixed_bytes=static + fixed, bytes_per_token=per_token,
-                           device_budget=self.device_budget, host_budget=self.host_budget,
-                           every=self.every, offload_layers=self.offload)
+                           static_bytes=static, budget=self.budget, device_budget=self.device_budget,
+                           host_budget=self.host_budget, every=self.every, offload_layers=self.offload)
 
 
 def _step(model, impl: str, n: int, device, args, peaks=None) -> float:
@@ -282,7 +280,8 @@ def run(shape: str, impl: str, device, args) -> dict:
             row = attempt(n, plan.every, plan.offload_layers, warm_next)
             row["warm"] = warm
             if plan.device_bytes:
-                row.update(planned_device_gib=plan.device_bytes / 2**30, planned_host_gib=plan.host_bytes / 2**30)
+                row.update(planned_device_gib=plan.device_bytes / 2**30, planned_host_gib=plan.host_bytes / 2**30,
+                           planned_phase=plan.phase)
                 missed = plan_shortfall(plan, row["peak_gib"] * 2**30) if row.get("peak_gib") else None
                 if missed:  # it fitted, with less room than planned: said, and kept in the row
                     row["plan_short_gib"] = row["peak_gib"] - row["planned_device_gib"]

@@ -80,37 +80,67 @@ def test_checkpoint_every_is_validated(tmp_path):
         load_config(["--model.checkpoint_every", "0"], environ={})
 
 
-# An 8B-shaped Llama in bf16 at 1M tokens: checkpoints of 8 GiB, a stated budget.
-SHAPE = dict(layers=32, hidden=4096, itemsize=2, fixed_bytes=20 * GIB, bytes_per_token=40 * 2**10)
+# An 8B-shaped Llama in bf16: checkpoints of 8 GiB at 1M tokens; a stated budget by phase.
+def _shape():
+    from fm_parallel.trainer.memory import StepBudget
+
+    lines = {"forward": (2 * GIB, 16 * 2**10), "loss_backward": (12 * GIB, 0.0), "layers_backward": (0.0, 40 * 2**10)}
+    return dict(layers=32, hidden=4096, itemsize=2, static_bytes=20 * GIB, budget=StepBudget(lines))
 
 
 def test_the_plan_takes_the_least_recompute_that_fits():
     from fm_parallel.trainer.memory import plan_memory
 
-    short = plan_memory(65536, **SHAPE, device_budget=130 * GIB, host_budget=100 * GIB)
+    short = plan_memory(65536, **_shape(), device_budget=130 * GIB, host_budget=100 * GIB)
     assert (short.every, short.offload_layers, short.host_bytes) == (1, 0, 0)  # everything on the device
-    mid = plan_memory(524288, **SHAPE, device_budget=130 * GIB, host_budget=100 * GIB)
-    # 20 + 20 GiB, then 4 GiB checkpoints: 22 on the device, 10 on the host.
-    assert (mid.every, mid.offload_layers) == (1, 10) and mid.device_bytes <= 130 * GIB and mid.host_bytes == 40 * GIB
-    long = plan_memory(1 << 20, **SHAPE, device_budget=130 * GIB, host_budget=100 * GIB)
-    # Per layer: 32 x 8 GiB cannot fit in 130 + 100 GiB beside 60 GiB; one per 2 layers: 16, of which 9 on the
-    # host, 7 on the device, and the other input of the segment being recomputed.
-    assert (long.every, long.offload_layers) == (2, 18)
-    assert long.device_bytes == (60 + 7 * 8 + 1 * 8) * GIB and long.host_bytes == 72 * GIB
+    # The loss's 12 GiB beside all 32 checkpoints of 0.5 GiB: 48 GiB, above the layers' 38.
+    assert (short.phase, short.device_bytes) == ("loss_backward", 48 * GIB)
+    mid = plan_memory(524288, **_shape(), device_budget=130 * GIB, host_budget=100 * GIB)
+    # 20 + 20 GiB, then the kept checkpoints below the last layer (4 GiB each): 23 kept, 9 on the host.
+    assert (mid.every, mid.offload_layers, mid.phase) == (1, 9, "layers_backward")
+    assert mid.device_bytes == (40 + 22 * 4) * GIB and mid.host_bytes == 36 * GIB
+    long = plan_memory(1 << 20, **_shape(), device_budget=130 * GIB, host_budget=100 * GIB)
+    # Per layer: 32 x 8 GiB cannot fit in 130 + 100 GiB beside 60 GiB; one per 2 layers: 16, of which 8 on the
+    # host; the last segment's backward holds the 7 kept below it and its other input.
+    assert (long.every, long.offload_layers, long.phase) == (2, 16, "layers_backward")
+    assert long.device_bytes == (60 + 7 * 8 + 1 * 8) * GIB and long.host_bytes == 64 * GIB
 
 
-def test_the_plan_holds_the_measured_1m_run():
-    """The H100 run at 1M (docs/long-context.md): 27.2 GiB fixed with the weights, 24108 bytes per
-    token (packed documents), a checkpoint every 3 layers with 9 of 11 on the host peaked at 66.2 GiB.
-    The plan for that layout is above the measurement (never a plan that does not fit), and on that
-    GPU's budget (74.4 GiB, 94.4 GiB host) the plan fits 1M: every 3 layers, all 11 on the host."""
-    from fm_parallel.trainer.memory import plan_memory
+@pytest.mark.parametrize("phase, every, offloaded, held", [
+    ("forward", 3, 9, 2), ("loss_backward", 3, 9, 2), ("optimizer", 3, 9, 0),
+    ("layers_backward", 3, 11, 2),  # all on the host: a segment's 2 other inputs
+    ("layers_backward", 3, 9, 2),  # 2 kept: the last segment (2 layers) holds the one below it and 1 other input
+    ("layers_backward", 3, 10, 2),  # 1 kept: the same as 2 kept (measured alike on the H100)
+    ("layers_backward", 2, 7, 9),  # the H200's 1M run: 9 kept, the last holds the 8 below it and 1 other input
+    ("layers_backward", 1, 0, 31),  # none offloaded, a checkpoint per layer: the 31 below the last
+    ("layers_backward", 1, 32, 0),
+    ("step", 3, 9, 4),  # a line not split by phase: every kept checkpoint and a segment's other inputs
+])
+def test_the_layer_inputs_each_phase_holds(phase, every, offloaded, held):
+    from fm_parallel.trainer.memory import inputs_held
 
-    shape = dict(layers=32, hidden=4096, itemsize=2, fixed_bytes=27.2 * GIB, bytes_per_token=24108)
-    run = plan_memory(1 << 20, **shape, device_budget=1000 * GIB, host_budget=1000 * GIB, every=3, offload_layers=27)
-    assert 66.2 * GIB <= run.device_bytes <= 85 * GIB and run.host_bytes == 72 * GIB
-    h100 = plan_memory(1 << 20, **shape, device_budget=74.4 * GIB, host_budget=94.4 * GIB)
-    assert (h100.every, h100.offload_layers) == (3, -1) and h100.device_bytes <= 74.4 * GIB
+    assert inputs_held(phase, 32, every, offloaded) == held
+
+
+def test_the_plan_moves_as_the_measured_1m_runs_moved():
+    """Three trainer runs of the same 1M config (8B shape, docs/long-context.md) peaked at 66.21 GiB
+    (H100, every 3 layers, 1 of 11 checkpoints kept on the GPU), 66.2 (H100, every 3, 2 kept) and
+    122.16 (H200, every 2, 9 of 16 kept). On one budget line, the plan's differences between those
+    layouts are the measured ones: 0 GiB, then 56 (the old count of every kept checkpoint at the
+    layers' backward gave 8 GiB between the first two)."""
+    from fm_parallel.trainer.memory import StepBudget, plan_memory
+
+    shape = dict(layers=32, hidden=4096, itemsize=2, static_bytes=17.7 * GIB,
+                 budget=StepBudget({"forward": (8 * GIB, 16 * 2**10), "loss_backward": (1 * GIB, 1 * 2**10),
+                                    "layers_backward": (0.0, 32 * 2**10)}))
+
+    def planned(every, offload_layers):
+        return plan_memory(1 << 20, **shape, device_budget=1000 * GIB, host_budget=1000 * GIB, every=every,
+                           offload_layers=offload_layers).device_bytes / GIB
+
+    one, two, h200 = planned(3, 30), planned(3, 27), planned(2, 14)
+    assert one == pytest.approx(two, abs=1e-6)
+    assert h200 - one == pytest.approx(122.16 - 66.21, abs=0.1)
 
 
 def test_the_step_budget_fits_a_line_per_phase_and_plans_on_the_one_that_needs_the_most():
@@ -125,9 +155,13 @@ def test_the_step_budget_fits_a_line_per_phase_and_plans_on_the_one_that_needs_t
     peaks = {n: {"forward": 3 * GIB, "loss_backward": 9 * GIB + 4 * n, "layers_backward": layers(n)}
              for n in (65536, 131072)}
     budget = StepBudget.fit(peaks)
-    assert budget.at(65536)[0] == "loss_backward" and budget.at(131072)[0] == "loss_backward"
-    phase, fixed, per_token = budget.at(1 << 20)
-    assert phase == "layers_backward" and abs(fixed + per_token * (1 << 20) - layers(1 << 20)) < 1
+
+    def need(n):  # every checkpoint on the host, a checkpoint per layer: the lines alone
+        return budget.need(n, n * 4096 * 2, 32, 1, 32)
+
+    assert need(65536)[0] == "loss_backward" and need(131072)[0] == "loss_backward"
+    phase, needed = need(1 << 20)
+    assert phase == "layers_backward" and abs(needed - layers(1 << 20)) < 1
     (n1, u1), (n2, u2) = [(n, max(p.values())) for n, p in sorted(peaks.items())]
     overall = u1 + (u2 - u1) / (n2 - n1) * ((1 << 20) - n1)  # the one line the script used to fit
     assert layers(1 << 20) - overall > 20 * GIB  # what that line would have missed at 1M
@@ -151,7 +185,8 @@ def test_the_one_layer_measurement_ends_each_phase_where_the_trainer_step_change
     before the backward, the loss's backward ends when the final hidden state's gradient is complete,
     before any of the decoder layer's gradients, and by then that hidden state is freed (held by the
     loss's graph only, as in the trainer's step, not by the measurement: it once held it through the
-    layer's backward, 8 GiB of the 8B shape at 1M above the trainer's runs)."""
+    layer's backward, 8 GiB of the 8B shape at 1M above the trainer's runs). The layer's input needs a
+    gradient, as a real layer's does."""
     from fm_parallel.trainer import capacity, model as trainer_model
     from tests.helpers import track_final_hidden_states
     from fm_parallel.trainer.config import load_config
@@ -171,11 +206,22 @@ def test_the_one_layer_measurement_ends_each_phase_where_the_trainer_step_change
     monkeypatch.setattr(capacity, "PhasePeaks", phase_peaks)
     real_build = trainer_model.build_model
 
+    inputs = []  # per step: whether the layer's input needed a gradient, then that the gradient (dx) came
+
+    def layer_input(module, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        inputs.append(x.requires_grad)
+        if x.requires_grad:
+            x.register_hook(lambda g: inputs.append("dx"))
+
     def build(*a, **k):  # the layer's gradient: logged with whether the final hidden state is alive then
         model = real_build(*a, **k)
         for name, p in model.named_parameters():
             if p.requires_grad and ".layers.0." in name:
                 p.register_hook(lambda g: log.append(("layer grad", made[-1]() is not None)))
+        from fm_parallel.trainer.memory import decoder_layers
+
+        decoder_layers(model)[0].register_forward_pre_hook(layer_input, with_kwargs=True)
         return model
 
     monkeypatch.setattr(trainer_model, "build_model", build)
@@ -188,6 +234,9 @@ def test_the_one_layer_measurement_ends_each_phase_where_the_trainer_step_change
     for step in (log[:starts[1]], log[starts[1]:]):
         assert step[:2] == ["forward", "loss_backward"] and step[-1] == "layers_backward"
         assert step[2:-1] and all(e == ("layer grad", False) for e in step[2:-1])
+    # As every real layer but the first: its input needs a gradient, so its backward makes dx (tiling.py
+    # allocates it only then; without it the plan was one checkpoint's size short).
+    assert inputs == [True, "dx", True, "dx"]
 
 
 def test_a_length_no_plan_fits_is_refused_naming_what_it_needs():
@@ -195,8 +244,8 @@ def test_a_length_no_plan_fits_is_refused_naming_what_it_needs():
 
     with pytest.raises(MemoryPlanError, match=r"n: 4194304 tokens do not fit: the closest plan needs [\d.]+ GiB on the device "
                                               r"and [\d.]+ GiB of host memory, this machine gives 130.0 GiB and 100.0 GiB"):
-        plan_memory(1 << 22, **SHAPE, device_budget=130 * GIB, host_budget=100 * GIB)
-    fixed = plan_memory(1 << 20, **SHAPE, device_budget=1000 * GIB, host_budget=0, every=4, offload_layers=0)
+        plan_memory(1 << 22, **_shape(), device_budget=130 * GIB, host_budget=100 * GIB)
+    fixed = plan_memory(1 << 20, **_shape(), device_budget=1000 * GIB, host_budget=0, every=4, offload_layers=0)
     assert (fixed.every, fixed.offload_layers) == (4, 0)
 
 
