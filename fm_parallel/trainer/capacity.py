@@ -227,8 +227,10 @@ def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
     total = torch.cuda.get_device_properties(device).total_memory
     device_budget = m.device_memory_gib * GIB if m.device_memory_gib else 0.94 * total
     host_budget = m.host_memory_gib * GIB if m.host_memory_gib else 0.75 * host_memory_bytes()
-    # The real model's static memory: the one-layer model's, L - 1 more layers, every adapter's AdamW moments.
-    constant = static + (layers - 1) * layer + (layers - 1) * adapter + 2 * layers * adapter
+    # The real model's static memory: the one-layer model's, L - 1 more layers, every adapter's AdamW
+    # moments; and the other layers' adapter gradients, made during the layers' backward (the one
+    # layer's own are in its measured peaks).
+    constant = static + (layers - 1) * layer + 2 * (layers - 1) * adapter + 2 * layers * adapter
     itemsize = {"float32": 4, "float64": 8}.get(m.dtype, 2)
     where = f"measured on one layer at {lengths[0]} and {lengths[1]} tokens"
     try:
