@@ -143,6 +143,27 @@ def test_the_plan_moves_as_the_measured_1m_runs_moved():
     assert h200 - one == pytest.approx(122.16 - 66.21, abs=0.1)
 
 
+def test_the_trainers_measured_line_plans_the_layouts_that_ran_at_1m_and_above_their_peaks():
+    """The trainer's one-layer measurement of the 1M config on the H100 (2026-12-06, its input needing a
+    gradient): the layers' backward at 40 KiB per token, 17.87 GiB fixed with the other layers and
+    the adapters (its plan printed 73.87 GiB for every 3 layers, 2 of 11 checkpoints kept). With each
+    GPU's budget (94% of 79.65 and of 140.4 GiB; 75% of 125 GiB host) the plan picks on the H100 the
+    layout that ran there (27 layers offloaded: 66.21 GiB measured) and on the H200 the one that ran
+    there (14 offloaded, 9 of 16 kept: 122.16 GiB measured), each above its measured peak."""
+    from fm_parallel.trainer.memory import StepBudget, plan_memory
+
+    per_token = 40 * 2**10
+    fixed = 73.8735 * GIB - 16 * GIB - per_token * (1 << 20)  # the printed plan, less its 2 held inputs and the line
+    shape = dict(layers=32, hidden=4096, itemsize=2, static_bytes=fixed,
+                 budget=StepBudget({"forward": (0.0, 16 * 2**10), "layers_backward": (0.0, per_token)}))
+    h100 = plan_memory(1 << 20, **shape, device_budget=0.94 * 79.65 * GIB, host_budget=0.75 * 125 * GIB)
+    assert (h100.every, h100.offload_layers, h100.phase) == (3, 27, "layers_backward")
+    assert h100.device_bytes / GIB == pytest.approx(73.87, abs=0.01) and h100.device_bytes > 66.21 * GIB
+    h200 = plan_memory(1 << 20, **shape, device_budget=0.94 * 140.4 * GIB, host_budget=0.75 * 125 * GIB)
+    assert (h200.every, h200.offload_layers, h200.host_bytes) == (2, 14, 56 * GIB)
+    assert h200.device_bytes > 122.16 * GIB
+
+
 def test_the_step_budget_fits_a_line_per_phase_and_plans_on_the_one_that_needs_the_most():
     """Two short steps where the loss sets the overall peak: one line through the overall peaks follows
     the loss (flat) and misses the layers' line at 1M; the budget keeps both and takes, at each length,
