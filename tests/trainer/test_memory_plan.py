@@ -147,7 +147,7 @@ def test_the_trainers_measured_line_plans_the_layouts_that_ran_at_1m_and_above_t
     """The trainer's one-layer measurement of the 1M config on the H100 (2026-12-06, its input needing a
     gradient): the layers' backward at 40 KiB per token, 17.87 GiB fixed with the other layers and
     the adapters (its plan printed 73.87 GiB for every 3 layers, 2 of 11 checkpoints kept). With each
-    GPU's budget (94% of 79.65 and of 140.4 GiB; 75% of 125 GiB host) the plan picks on the H100 the
+    GPU's budget (94% of 79.18 and of 139 GiB; 75% of 125 GiB host) the plan picks on the H100 the
     layout that ran there (27 layers offloaded: 66.21 GiB measured) and on the H200 the one that ran
     there (14 offloaded, 9 of 16 kept: 122.16 GiB measured), each above its measured peak."""
     from fm_parallel.trainer.memory import StepBudget, plan_memory
@@ -156,12 +156,39 @@ def test_the_trainers_measured_line_plans_the_layouts_that_ran_at_1m_and_above_t
     fixed = 73.8735 * GIB - 16 * GIB - per_token * (1 << 20)  # the printed plan, less its 2 held inputs and the line
     shape = dict(layers=32, hidden=4096, itemsize=2, static_bytes=fixed,
                  budget=StepBudget({"forward": (0.0, 16 * 2**10), "layers_backward": (0.0, per_token)}))
-    h100 = plan_memory(1 << 20, **shape, device_budget=0.94 * 79.65 * GIB, host_budget=0.75 * 125 * GIB)
+    h100 = plan_memory(1 << 20, **shape, device_budget=0.94 * 79.18 * GIB, host_budget=0.75 * 125 * GIB)
     assert (h100.every, h100.offload_layers, h100.phase) == (3, 27, "layers_backward")
     assert h100.device_bytes / GIB == pytest.approx(73.87, abs=0.01) and h100.device_bytes > 66.21 * GIB
-    h200 = plan_memory(1 << 20, **shape, device_budget=0.94 * 140.4 * GIB, host_budget=0.75 * 125 * GIB)
+    h200 = plan_memory(1 << 20, **shape, device_budget=0.94 * 139 * GIB, host_budget=0.75 * 125 * GIB)
     assert (h200.every, h200.offload_layers, h200.host_bytes) == (2, 14, 56 * GIB)
     assert h200.device_bytes > 122.16 * GIB
+
+
+@pytest.mark.parametrize("n, offload_layers, planned_gib, measured_gib", [
+    (262144, 12, 72.885, 73.009), (524288, 24, 70.771, 71.143), (1 << 20, 27, 68.66, 68.11)])
+def test_the_scripts_measured_lines_plan_what_ran(n, offload_layers, planned_gib, measured_gib):
+    """``max_context.py``'s calibration of the 8B shape on the H100 (its lines by phase, kept in
+    docs/benchmarks) planned on that GPU's budget (94% of 79.18 GiB, ``--host-gib 100``): at 256k and
+    512k the loss's backward, which holds every kept checkpoint, sets the plan, and the plans are the
+    ones that ran (a checkpoint per layer, 12 and 24 offloaded: 72.9 and 70.8 GiB, measured 73.0 and
+    71.1); at 1M the layers' backward, every 3 layers (68.7, measured 68.1 with all 11 checkpoints on
+    the host). Counting each phase's held inputs changed the first two not at all; at 1M it keeps 2
+    of the 11 on the GPU at the same predicted peak (the last segment holds the one below it and
+    its one other input, as an offloaded segment holds its two others: the trainer's runs with 1
+    and 2 kept peaked alike), 16 GiB less pinned."""
+    import json
+    from pathlib import Path
+
+    from fm_parallel.trainer.memory import StepBudget, plan_memory
+
+    cal = json.loads((Path(__file__).parents[2] / "docs/benchmarks/max_context_runs/8b_h100_1m_by_phase_calibration.json").read_text())
+    budget = StepBudget({p: (v["fixed_gib"] * GIB, v["bytes_per_token"]) for p, v in cal["lines"].items()})
+    plan = plan_memory(n, layers=32, hidden=4096, itemsize=2, static_bytes=15.0708 * GIB, budget=budget,
+                       device_budget=0.94 * 79.18 * GIB, host_budget=100 * GIB)
+    assert plan.offload_layers == offload_layers and plan.every == (1 if n < (1 << 20) else 3)
+    assert plan.phase == ("loss_backward" if n < (1 << 20) else "layers_backward")
+    assert plan.device_bytes / GIB == pytest.approx(planned_gib, abs=0.02)
+    assert abs(plan.device_bytes / GIB - measured_gib) < 0.6
 
 
 def test_the_step_budget_fits_a_line_per_phase_and_plans_on_the_one_that_needs_the_most():
