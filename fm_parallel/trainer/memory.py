@@ -276,8 +276,9 @@ class StepBudget:
     through the step's overall peaks at two short lengths, where the loss sets the peak, follows the
     loss and is flatter than the layers' line that sets the peak at a long one (8B shape, 64k and
     128k on an H100: 23.5 KiB per token and 11.9 GiB fitted, about 40 KiB per token measured at 1M,
-    a 9.6 GiB miss; docs/long-context.md). :meth:`at` takes, at each length, the phase that needs
-    the most."""
+    a 9.6 GiB miss; docs/long-context.md). The phases also hold different layer inputs
+    (:func:`inputs_held`); :meth:`need` takes, for a length and a layout, the phase that needs the
+    most."""
 
     lines: dict[str, tuple[float, float]]
 
