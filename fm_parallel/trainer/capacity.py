@@ -214,6 +214,16 @@ def measure_one_layer(cfg: Config, device: torch.device, vocab_size: int, length
     return result
 
 
+def measured_lengths(cfg: Config, n: int) -> tuple[int, int]:
+    """The two lengths :func:`plan_run` measures one layer at for a step of ``n`` tokens per rank:
+    two of each chunk the tiled layer and the loss cut (so both lengths run every tiled path), then
+    twice that, neither far beyond ``n``."""
+    m = cfg.model
+    base = max(2 * m.attention_chunk, 2 * m.tile_chunk, 2 * cfg.training.loss_chunk, 8192) if m.tile_chunk else 8192
+    lengths = (min(base, n), min(2 * base, 2 * n)) if n > 1 else (1, 2)
+    return (lengths[0], lengths[0] * 2) if lengths[0] == lengths[1] else lengths
+
+
 def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
              measure: Callable[..., dict] | None = None, agree: Callable[[list[float]], list[float]] | None = None,
              say: Callable[[str], None] = print) -> MemoryPlan | None:
@@ -233,10 +243,7 @@ def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
         raise ConfigError("model.memory_plan: expected 'fixed' without activation checkpointing (the plan places "
                           "checkpoints), got 'auto'")
     n = cfg.data.seq_len // cp
-    base = max(2 * m.attention_chunk, 2 * m.tile_chunk, 2 * cfg.training.loss_chunk, 8192) if m.tile_chunk else 8192
-    lengths = (min(base, n), min(2 * base, 2 * n)) if n > 1 else (1, 2)
-    if lengths[0] == lengths[1]:
-        lengths = (lengths[0], lengths[0] * 2)
+    lengths = measured_lengths(cfg, n)
     got = (measure or measure_one_layer)(cfg, device, vocab_size, lengths)
     phases = [p for p in PHASES if all(p in got["peaks"][k] for k in lengths)]
     values = (agree or _largest_over_ranks)([got["static"], got["layer"], got["adapter"],

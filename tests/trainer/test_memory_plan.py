@@ -366,3 +366,30 @@ def test_the_trainer_says_once_when_a_step_peaks_above_its_plan(tmp_path, room):
     assert len(said) == (1 if room == "short" else 0), result["printed"]
     if said:
         assert said[0].startswith("warning: memory plan missed: the step peaked at")
+
+
+def test_the_one_layer_input_script_measures_each_variant_and_restores_the_plans_hook(monkeypatch, capsys):
+    """``launch/bench/one_layer_input.py``, without a GPU's allocator: each variant is the hook the
+    measurement registers while it runs (the dropped gradient the plan's), at the lengths the plan
+    measures, and the plan's hook is back afterwards."""
+    import json
+
+    from fm_parallel.trainer import capacity
+    from launch.bench import one_layer_input as script
+
+    plan_hook, seen = capacity._needs_a_dropped_gradient, []
+
+    def measure(cfg, device, vocab_size, lengths):
+        out = capacity._needs_a_dropped_gradient(None, (), torch.ones(2))
+        seen.append((lengths, out.requires_grad, out.is_leaf))
+        return {"static": GIB, "peaks": {n: {"layers_backward": n * 1024.0} for n in lengths}}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "test")
+    monkeypatch.setattr(capacity, "measure_one_layer", measure)
+    script.main(["--config", str(script.ROOT / "launch/configs/h200_8b_1m.toml")])
+    assert seen == [((131072, 262144), True, False), ((131072, 262144), True, True), ((131072, 262144), False, True)]
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["variant"] for r in rows] == ["dropped", "leaf", "none"]
+    assert rows[0]["lines"]["layers_backward"] == pytest.approx([0.0, 1.0])
+    assert capacity._needs_a_dropped_gradient is plan_hook
