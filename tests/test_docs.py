@@ -197,6 +197,9 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
     ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_1m.toml --training.steps 2"):
         Skip(GPU, "8B model at 1M tokens, two steps with the plan counting each phase's held inputs (run on the H100, "
                   "2026-12-06)"),
+    ("docs/long-context.md", "python launch/bench/one_layer_input.py --config launch/configs/h200_8b_1m.toml"):
+        Skip(GPU, "the plan's one-layer lines at the 1M config's lengths, three inputs (its predecessor run on the H100, "
+                  "2026-12-06; its wiring tested on the CPU in tests/trainer/test_memory_plan.py)"),
     ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --lengths 262144 524288 524288 "
                              "--calibrate 65536 131072"):
         Skip(GPU, "8B model planned at 256k and 512k, 512k twice (run on the H200, 2026-12-06)"),
