@@ -266,6 +266,14 @@ def inputs_held(phase: str, layers: int, every: int, offloaded: int) -> int:
     return kept + every - 1
 
 
+# The plan's margin, bytes per token added to every phase's line: the plan promises an upper bound, and
+# the lines, measured at two short lengths, miss the real model's peak by up to about 0.75 KiB per token
+# (measured without it, H100: max_context.py's 8B plans at 256k and 512k 0.12 and 0.37 GiB under their
+# steps, its 1B plan at 2M 0.9 GiB under; the trainer's small-model plan at 64k under by less than
+# 0.05 GiB; the trainer's 8B plans at 1M 0.05-0.10 GiB over: docs/long-context.md, the memory plan).
+MARGIN_PER_TOKEN = 1024
+
+
 @dataclass(frozen=True)
 class StepBudget:
     """What one training step needs on the device beyond its static memory and its checkpoints, phase
@@ -302,9 +310,10 @@ class StepBudget:
     def need(self, n: int, input_bytes: float, layers: int, every: int, offloaded: int) -> tuple[str, float]:
         """The phase that needs the most at ``n`` tokens with a checkpoint every ``every`` of ``layers``
         layers, the first ``offloaded`` checkpoints on the host, and its bytes: its line plus the layer
-        inputs of ``input_bytes`` each that it holds beyond the line (:func:`inputs_held`)."""
-        needs = {phase: fixed + per_token * n + inputs_held(phase, layers, every, offloaded) * input_bytes
-                 for phase, (fixed, per_token) in self.lines.items()}
+        inputs of ``input_bytes`` each that it holds beyond the line (:func:`inputs_held`) and the
+        plan's margin (:data:`MARGIN_PER_TOKEN`)."""
+        needs = {phase: fixed + (per_token + MARGIN_PER_TOKEN) * n
+                 + inputs_held(phase, layers, every, offloaded) * input_bytes for phase, (fixed, per_token) in self.lines.items()}
         phase = max(needs, key=needs.get)
         return phase, needs[phase]
 
@@ -367,4 +376,5 @@ def plan_memory(n: int, *, layers: int, hidden: int, itemsize: int, static_bytes
         f"n: {n} tokens do not fit: the closest plan needs {device / GIB:.1f} GiB on the device and {host / GIB:.1f} GiB "
         f"of host memory, this machine gives {device_budget / GIB:.1f} GiB and {host_budget / GIB:.1f} GiB "
         f"({layers} layers, a checkpoint of {ckpt / GIB:.2f} GiB each; at its peak, the {phase.replace('_', ' ')}: "
-        f"{per_token / 2**10:.0f} KiB per token beyond the checkpoints, {(static_bytes + fixed) / GIB:.1f} GiB fixed)")
+        f"{per_token / 2**10:.0f} KiB per token beyond the checkpoints and {MARGIN_PER_TOKEN / 2**10:.0f} KiB of margin, "
+        f"{(static_bytes + fixed) / GIB:.1f} GiB fixed)")
