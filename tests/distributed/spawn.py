@@ -2,6 +2,11 @@
 
 Each rank's result (a JSON-able dict) is written to a file; a rank that raises records the error.
 A run that does not finish in `timeout` seconds fails the test instead of hanging the suite.
+
+`run_cases` runs several cases in one spawn (starting N interpreters that import torch costs more
+than most cases): each case's outcome is kept apart, and a case that raises stops the ones after it
+on every rank, so one failure is reported as itself, not as the next case's desynchronised
+collectives.
 """
 
 import json
@@ -71,3 +76,32 @@ def run_ranks(fn, world: int, *args, timeout: float = 240.0, allow_missing: bool
             named = "; ".join(f"rank {r} wrote no result" for r in missing)
             raise RuntimeError(f"{named} ({teardown or 'no exit status'})")
         return [json.load(open(path)) for path in paths]
+
+
+def _cases(rank, world, cases):
+    """Each case in turn on this rank; after each, the ranks learn whether any raised and stop together."""
+    out, failed = {}, None
+    for key, (fn, args) in cases:
+        if failed is not None:
+            out[key] = {"exception": f"not run: case {failed} raised on some rank", "traceback": ""}
+            continue
+        try:
+            out[key] = fn(rank, world, *args)
+        except Exception as e:  # reported to that case's test
+            out[key] = {"exception": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        raised = [None] * world
+        dist.all_gather_object(raised, "exception" in out[key] and "traceback" in out[key])
+        if any(raised):
+            failed = key
+    return out
+
+
+def run_cases(world: int, cases: dict, timeout: float = 240.0) -> dict[str, list[dict]]:
+    """``{key: (fn, args)}`` run in one spawn of ``world`` ranks, in order: ``{key: [each rank's fn(rank, world, *args)]}``.
+
+    A case's exception is its ranks' result (``exception``, ``traceback``) as with `run_ranks`; the
+    cases after one that raised are not run (their result says which case stopped them). A case's fn
+    must leave the process as it found it (restore what it patches) so the next case tests the same.
+    """
+    results = run_ranks(_cases, world, list(cases.items()), timeout=timeout)
+    return {key: [res[key] for res in results] for key in cases}

@@ -1,12 +1,16 @@
 """The prepared mask of a step (fm_parallel/distributed/prepared.py): made once, reused by every layer
 of ring, Ulysses and hybrid, forward and backward, with the same results as a bare mask per call;
 collective and checked like a call (ranks that disagree all raise); and the host-staged transport
-that lets P processes share one GPU over gloo."""
+that lets P processes share one GPU over gloo.
+
+Every case on 2 ranks runs in one spawn and the hybrid cases in one 4-rank spawn (module fixtures);
+each test reads its own case's results.
+"""
 
 import pytest
 import torch
 
-from tests.distributed.spawn import run_ranks
+from tests.distributed.spawn import run_cases
 
 N, HQ, HKV, D = 96, 4, 2, 8
 LAYERS = 3
@@ -62,10 +66,36 @@ def layers_on_one_prepared_mask(rank, world, mode, balance):
     return {"errors": errors, "counters": counters}
 
 
+BALANCES = ["contiguous", "zigzag", "mask"]
+MISUSES = [
+    ("mask", "mask: expected the same value on every rank"),
+    ("plan", "plan: expected the plan the mask was prepared with"),
+    ("bad_mask", "mask: expected a FlashMask with 96 key columns (the plan's N), got 98"),
+    ("edited", "mask: changed in place after it was prepared"),
+]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    cases = {f"layers/{mode}/{balance}": (layers_on_one_prepared_mask, (mode, balance))
+             for mode in ("ring", "ulysses") for balance in BALANCES}
+    cases.update({f"misused/{what}": (prepared_then_misused, (what,)) for what, _ in MISUSES})
+    cases["staged"] = (staged_ring, ())
+    cases["context"] = (context_parallel_prepares_once_per_mask, ())
+    return run_cases(2, cases, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_cases(4, {f"layers/hybrid/{balance}": (layers_on_one_prepared_mask, ("hybrid", balance)) for balance in BALANCES},
+                     timeout=300)
+
+
 @pytest.mark.parametrize("mode,world", [("ring", 2), ("ulysses", 2), ("hybrid", 4)])
-@pytest.mark.parametrize("balance", ["contiguous", "zigzag", "mask"])
-def test_every_layer_reuses_the_prepared_mask_and_matches_one_process(mode, world, balance):
-    for rank, res in enumerate(run_ranks(layers_on_one_prepared_mask, world, mode, balance, timeout=240)):
+@pytest.mark.parametrize("balance", BALANCES)
+def test_every_layer_reuses_the_prepared_mask_and_matches_one_process(mode, world, balance, request):
+    spawned = request.getfixturevalue("two_ranks" if world == 2 else "four_ranks")
+    for rank, res in enumerate(spawned[f"layers/{mode}/{balance}"]):
         assert "exception" not in res, res.get("traceback")
         assert max(res["errors"]) < 1e-10, (rank, res["errors"])
         first, *later = res["counters"]
@@ -101,14 +131,9 @@ def prepared_then_misused(rank, world, what):
     raise AssertionError(what)
 
 
-@pytest.mark.parametrize("what,expected", [
-    ("mask", "mask: expected the same value on every rank"),
-    ("plan", "plan: expected the plan the mask was prepared with"),
-    ("bad_mask", "mask: expected a FlashMask with 96 key columns (the plan's N), got 98"),
-    ("edited", "mask: changed in place after it was prepared"),
-])
-def test_prepare_and_prepared_calls_fail_on_every_rank_alike(what, expected):
-    results = run_ranks(prepared_then_misused, 2, what, timeout=120)
+@pytest.mark.parametrize("what,expected", MISUSES)
+def test_prepare_and_prepared_calls_fail_on_every_rank_alike(two_ranks, what, expected):
+    results = two_ranks[f"misused/{what}"]
     assert all(r["error"] is not None and expected in r["error"] for r in results), results
     assert results[0]["error"].split(": ", 2)[-1] == results[1]["error"].split(": ", 2)[-1]
 
@@ -116,8 +141,7 @@ def test_prepare_and_prepared_calls_fail_on_every_rank_alike(what, expected):
 def staged_ring(rank, world):
     """The ring with every transfer staged through host buffers (what gloo does for GPU tensors),
     forced on CPU tensors here: the received chunks and returned gradients must be the same."""
-    from fm_parallel import flashmask_attention
-    from fm_parallel.distributed import comm, prepare, ring_attention, shard, ulysses_attention
+    from fm_parallel.distributed import comm
 
     staged = {"n": 0}
 
@@ -125,7 +149,18 @@ def staged_ring(rank, world):
         staged["n"] += 1
         return True
 
+    real = comm.RingComm.host_staged
     comm.RingComm.host_staged = always
+    try:
+        return _staged_ring(rank, world, staged)
+    finally:  # the next case in this spawn sends as usual
+        comm.RingComm.host_staged = real
+
+
+def _staged_ring(rank, world, staged):
+    from fm_parallel import flashmask_attention
+    from fm_parallel.distributed import prepare, ring_attention, shard, ulysses_attention
+
     mask = _mask()
     q, k, v, dout = _data(3)
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
@@ -143,8 +178,8 @@ def staged_ring(rank, world):
     return out
 
 
-def test_host_staged_transfers_give_the_same_results():
-    for res in run_ranks(staged_ring, 2, timeout=120):
+def test_host_staged_transfers_give_the_same_results(two_ranks):
+    for res in two_ranks["staged"]:
         assert "exception" not in res, res.get("traceback")
         assert res["ring"] < 1e-10 and res["ulysses"] < 1e-10, res
         assert res["staged_exchanges"] > 0
@@ -176,8 +211,8 @@ def context_parallel_prepares_once_per_mask(rank, world):
     return {"seen": [[a is b for b in seen] for a in seen]}
 
 
-def test_context_parallel_prepares_once_per_mask_object():
-    for res in run_ranks(context_parallel_prepares_once_per_mask, 2, timeout=120):
+def test_context_parallel_prepares_once_per_mask_object(two_ranks):
+    for res in two_ranks["context"]:
         assert "exception" not in res, res.get("traceback")
         same = res["seen"]
         assert same[0][1] and same[0][2], same  # one prepared mask for the same object, layer after layer
