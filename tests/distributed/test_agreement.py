@@ -3,6 +3,9 @@ never a silently wrong result.
 
 The agreement digest is a real hash: packings that the old weighted-sum digest could not tell apart
 (``document([2, 30, 32])`` and ``document([9, 44, 11])``) are told apart by ring, Ulysses and hybrid.
+
+The disagreements that leave every rank alive run in one spawn per world size (module fixtures), each
+test reading its own case; a rank that dies or stalls gets a spawn of its own.
 """
 
 import itertools
@@ -11,7 +14,7 @@ import time
 import pytest
 import torch
 
-from tests.distributed.spawn import run_ranks
+from tests.distributed.spawn import run_cases, run_ranks
 
 N, H, D = 64, 4, 8
 
@@ -69,27 +72,50 @@ def one_rank_fails_its_own_check(rank, world, kind):
     return _outcome(lambda: _call(kind, q, k, v, masks.causal(N), shard(N, world, "contiguous"), world))
 
 
+DISAGREEMENTS = {2: [(fn, kind) for fn in (disagreeing_masks, disagreeing_dtypes, one_rank_fails_its_own_check)
+                     for kind in ("ring", "ulysses")],
+                 4: [(disagreeing_masks, "hybrid"), (one_rank_fails_its_own_check, "hybrid")]}
+
+
+def _disagreements(world):
+    return run_cases(world, {f"{fn.__name__}/{kind}": (fn, (kind,)) for fn, kind in DISAGREEMENTS[world]}, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return _disagreements(2)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return _disagreements(4)
+
+
+def _results(request, fn, kind, world):
+    return request.getfixturevalue("two_ranks" if world == 2 else "four_ranks")[f"{fn.__name__}/{kind}"]
+
+
 @pytest.mark.parametrize("kind, world", [("ring", 2), ("ulysses", 2), ("hybrid", 4)])
-def test_masks_that_a_weak_digest_confused_are_refused_on_every_rank(kind, world):
+def test_masks_that_a_weak_digest_confused_are_refused_on_every_rank(kind, world, request):
     from fm_parallel import masks
 
     a, b = masks.document([2, 30, 32]), masks.document([9, 44, 11])
     assert not torch.equal(a.to_dense(), b.to_dense())
-    results = run_ranks(disagreeing_masks, world, kind, timeout=180)
+    results = _results(request, disagreeing_masks, kind, world)
     # Hybrid agrees over the Ulysses groups then the ring groups: every rank of the grid learns it.
     assert all("ValueError: mask: expected the same value on every rank" in r["error"] for r in results), results
 
 
 @pytest.mark.parametrize("kind, world", [("ring", 2), ("ulysses", 2)])
-def test_ranks_with_different_dtypes_raise_instead_of_crashing_gloo(kind, world):
-    results = run_ranks(disagreeing_dtypes, world, kind, timeout=180)
+def test_ranks_with_different_dtypes_raise_instead_of_crashing_gloo(kind, world, request):
+    results = _results(request, disagreeing_dtypes, kind, world)
     want = "ValueError: dtype: expected the same value on every rank, got ['float32', 'float64'] (by rank)"
     assert all(r["error"] == want for r in results), results
 
 
 @pytest.mark.parametrize("kind, world", [("ring", 2), ("ulysses", 2), ("hybrid", 4)])
-def test_a_rank_failing_its_own_check_still_joins_so_all_raise_the_same_error(kind, world):
-    results = run_ranks(one_rank_fails_its_own_check, world, kind, timeout=180)
+def test_a_rank_failing_its_own_check_still_joins_so_all_raise_the_same_error(kind, world, request):
+    results = _results(request, one_rank_fails_its_own_check, kind, world)
     errors = {r["error"] for r in results}
     assert len(errors) == 1, results
     assert errors.pop().startswith(f"ValueError: rank {world - 1}: q, k, v: expected {N // world} local tokens")

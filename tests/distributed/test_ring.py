@@ -2,12 +2,15 @@
 
 Each rank's output and q/k/v gradients must equal the matching slice of one process computing the
 whole sequence; the transfers each rank skips must equal the count derived from the dense mask.
+
+One spawn per world size (module fixtures): on 2 ranks it also runs the Triton ring and the ranks
+that disagree, each test reading its own case's results.
 """
 
 import pytest
 import torch
 
-from tests.distributed.spawn import run_ranks
+from tests.distributed.spawn import run_cases
 
 N, HQ, HKV, D = 128, 4, 2, 16
 BALANCES = ["contiguous", "zigzag", "mask"]
@@ -90,9 +93,18 @@ def ring_cases(rank, world):
     return results
 
 
+@pytest.fixture(scope="module")
+def two_ranks():
+    cases = {"ring": (ring_cases, ()), "triton": (ring_triton_cases, ())}
+    cases.update({fn.__name__: (fn, ()) for fn in (mismatched_lengths, mismatched_masks)})
+    return run_cases(2, cases, timeout=400)
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
 def ring_results(request):
-    return request.param, run_ranks(ring_cases, request.param)
+    if request.param == 2:
+        return 2, request.getfixturevalue("two_ranks")["ring"]
+    return 4, run_cases(4, {"ring": (ring_cases, ())})["ring"]
 
 
 CASES = [f"{m}/{b}" for m in ["causal", "docs", "dpo", "sliding_sinks", "prefix_lm", "multi_interval"] for b in BALANCES]
@@ -128,6 +140,15 @@ def test_only_the_key_windows_travel(ring_results):
         assert r["bytes"] < r["posted"] * 2 * full_chunk, (rank, r["bytes"], r["posted"])
 
 
+def _raised(call):
+    """What ``call`` raised (None: it ran), kept as the case's result: later cases of the spawn still run."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the test checks what each rank raised
+        return {"raised": f"{type(e).__name__}: {e}"}
+    return {"raised": None}
+
+
 def mismatched_lengths(rank, world):
     from fm_parallel import masks
     from fm_parallel.distributed import ring_attention, shard
@@ -136,8 +157,7 @@ def mismatched_lengths(rank, world):
     mask = masks.causal(n)
     plan = shard(mask, world, balance="contiguous")
     q = torch.randn(1, 2, n // world, 8)
-    ring_attention(q, q, q, mask, plan)
-    return {"ran": True}
+    return _raised(lambda: ring_attention(q, q, q, mask, plan))
 
 
 def mismatched_masks(rank, world):
@@ -147,29 +167,36 @@ def mismatched_masks(rank, world):
     mask = masks.causal(64) if rank == 0 else masks.document([32, 32])
     plan = shard(64, world, balance="contiguous")
     q = torch.randn(1, 2, 64 // world, 8)
-    ring_attention(q, q, q, mask, plan)
-    return {"ran": True}
+    return _raised(lambda: ring_attention(q, q, q, mask, plan))
 
 
 @pytest.mark.parametrize("fn, message", [(mismatched_lengths, "expected the same value on every rank"),
                                          (mismatched_masks, "mask: expected the same value on every rank")])
-def test_ranks_that_disagree_raise_instead_of_hanging(fn, message):
-    results = run_ranks(fn, 2, timeout=60)
-    for res in results:
-        assert "exception" in res and "ValueError" in res["exception"] and message in res["exception"], res
+def test_ranks_that_disagree_raise_instead_of_hanging(two_ranks, fn, message):
+    for res in two_ranks[fn.__name__]:
+        assert res.get("raised") and "ValueError" in res["raised"] and message in res["raised"], res
 
 
 def ring_triton_cases(rank, world):
     """The ring with the Triton kernels (the interpreter here), on the prepared mask's column masks in
     local rows: every balance mode takes the consecutive-row plans, cached on those masks. Two "layers" on one prepared mask: the second builds no
     plan, no column mask and runs no agreement."""
-    from fm_parallel import flashmask_attention, masks
-    from fm_parallel.distributed import prepare, ring_attention, shard
     from fm_parallel.kernels import triton_flashmask
 
     builds = {"plans": 0, "arbitrary_rows": 0}
-    for name in ("build_plan", "build_plans_consecutive"):
-        real = getattr(triton_flashmask, name)
+    reals = {name: getattr(triton_flashmask, name) for name in ("build_plan", "build_plans_consecutive")}
+    try:
+        return _ring_triton(rank, world, triton_flashmask, reals, builds)
+    finally:  # the next case in this spawn builds plans uncounted
+        for name, real in reals.items():
+            setattr(triton_flashmask, name, real)
+
+
+def _ring_triton(rank, world, triton_flashmask, reals, builds):
+    from fm_parallel import flashmask_attention, masks
+    from fm_parallel.distributed import prepare, ring_attention, shard
+
+    for name, real in reals.items():
 
         def counted(*a, _real=real, _name=name, **kw):
             builds["plans"] += 1
@@ -208,9 +235,9 @@ def ring_triton_cases(rank, world):
     return results
 
 
-def test_ring_with_triton_kernels_on_contiguous_and_zigzag_shards():
+def test_ring_with_triton_kernels_on_contiguous_and_zigzag_shards(two_ranks):
     pytest.importorskip("triton")
-    for rank, res in enumerate(run_ranks(ring_triton_cases, 2)):
+    for rank, res in enumerate(two_ranks["triton"]):
         assert "exception" not in res, res.get("traceback")
         for balance in ("contiguous", "zigzag"):
             for name, err in res[balance].items():
