@@ -99,6 +99,8 @@ def _cases(rank, world, cases):
 def run_cases(world: int, cases: dict, timeout: float = 240.0) -> dict[str, list[dict]]:
     """``{key: (fn, args)}`` run in one spawn of ``world`` ranks, in order: ``{key: [each rank's fn(rank, world, *args)]}``.
 
+    Keys are strings (results travel as JSON).
+
     A case's exception is its ranks' result (``exception``, ``traceback``) as with `run_ranks`; the
     cases after one that raised are not run (their result says which case stopped them). A case's fn
     must leave the process as it found it (restore what it patches) so the next case tests the same.

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from tests.distributed.spawn import run_ranks
+from tests.distributed.spawn import run_cases
 
 GPU = torch.cuda.is_available()
 
@@ -80,9 +80,15 @@ def graphs_over_gloo(rank, world, disagree):
     return {"error": None}
 
 
+@pytest.fixture(scope="module")
+def over_gloo():
+    """Both cases in one 2-rank spawn."""
+    return run_cases(2, {str(disagree): (graphs_over_gloo, (disagree,)) for disagree in (False, True)}, timeout=180)
+
+
 @pytest.mark.parametrize("disagree", [False, True])
-def test_prepare_with_graphs_over_gloo_fails_on_every_rank(disagree):
-    results = run_ranks(graphs_over_gloo, 2, disagree, timeout=120)
+def test_prepare_with_graphs_over_gloo_fails_on_every_rank(over_gloo, disagree):
+    results = over_gloo[str(disagree)]
     for res in results:
         assert "exception" not in res, res.get("traceback")
         assert res["error"] is not None and "cuda_graphs: expected" in res["error"], res

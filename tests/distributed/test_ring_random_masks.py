@@ -10,7 +10,7 @@ skips must be those the dense mask implies.
 import pytest
 import torch
 
-from tests.distributed.spawn import run_ranks
+from tests.distributed.spawn import run_cases, run_ranks
 from tests.distributed.test_ring import expected_skips
 
 N, HQ, HKV, D = 96, 4, 2, 8
@@ -107,9 +107,15 @@ def check(results, mode, tol):
     return narrow
 
 
+@pytest.fixture(scope="module")
+def four_ranks():
+    """Both modes in one 4-rank spawn."""
+    return run_cases(4, {mode: (cases, (mode,)) for mode in ("ring", "hybrid")})
+
+
 @pytest.mark.parametrize("mode", ["ring", "hybrid"])
-def test_random_masks_match_one_process_on_every_rank(mode):
-    narrow = check(run_ranks(cases, 4, mode), mode, 1e-10)
+def test_random_masks_match_one_process_on_every_rank(four_ranks, mode):
+    narrow = check(four_ranks[mode], mode, 1e-10)
     if mode == "ring":
         assert narrow > 0  # chunks that ran on a few rows of a share
 
