@@ -14,7 +14,7 @@ import torch
 
 from fm_parallel.trainer.config import load_config
 from fm_parallel.trainer.data import ByteTokenizer, dpo_rows, sft_rows
-from tests.distributed.spawn import run_ranks
+from tests.distributed.spawn import run_cases, run_ranks
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -83,33 +83,48 @@ def _losses(out):
     return [json.loads(line)["loss"] for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
+# name -> (world, extra arguments): the one-process run and the layouts that must give its losses.
+CP_RUNS = {"single": (1, ["--parallel.cp", "none"]), "ring2": (2, ["--parallel.cp", "ring"]),
+           "ring4": (4, ["--parallel.cp", "ring", "--parallel.balance", "mask"]),
+           "ulysses2": (2, ["--parallel.cp", "ulysses"]),
+           # The long-context switches under CP: tiled layers, the first layer's checkpoint on the host.
+           # Last in its spawn, after the untiled runs.
+           "ring2_tiled": (2, ["--parallel.cp", "ring", "--model.tile_chunk", "100", "--model.offload_layers", "1"])}
+
+
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory):
+    """Every layout of both objectives, one spawn per world size (a run per case): {objective: {name: losses}}."""
+    tmp = tmp_path_factory.mktemp("cp")
+    runs = {"sft": {}, "dpo": {}}
+    for world in (1, 2, 4):
+        cases = {f"{objective}/{name}": (_train, (TINY + ["--data.objective", objective] + extra, str(tmp / objective / name)))
+                 for name, (w, extra) in CP_RUNS.items() if w == world for objective in runs}
+        for key, results in run_cases(world, cases, timeout=600).items():
+            objective, name = key.split("/")
+            runs[objective][name] = [r.get("traceback") for r in results if "exception" in r] or _losses(tmp / objective / name)
+    return runs
+
+
 @pytest.mark.parametrize("objective", ["sft", "dpo"])
-def test_context_parallel_losses_equal_one_process(tmp_path, objective):
-    args = TINY + ["--data.objective", objective]
-    runs = {}
-    for name, world, extra in (("single", 1, ["--parallel.cp", "none"]), ("ring2", 2, ["--parallel.cp", "ring"]),
-                               ("ring4", 4, ["--parallel.cp", "ring", "--parallel.balance", "mask"]),
-                               ("ulysses2", 2, ["--parallel.cp", "ulysses"]),
-                               # The long-context switches under CP: tiled layers, the first layer's checkpoint on the host.
-                               ("ring2_tiled", 2, ["--parallel.cp", "ring", "--model.tile_chunk", "100", "--model.offload_layers", "1"])):
-        out = str(tmp_path / name)
-        results = run_ranks(_train, world, args + extra, out, timeout=400)
-        assert all("exception" not in r for r in results), [r.get("traceback") for r in results]
-        runs[name] = _losses(out)
+def test_context_parallel_losses_equal_one_process(cp_runs, objective):
+    runs = cp_runs[objective]
+    for name, losses in runs.items():  # a run that raised holds its ranks' tracebacks
+        assert all(isinstance(x, float) for x in losses), (name, losses)
     for name in ("ring2", "ring4", "ulysses2", "ring2_tiled"):
         assert runs[name] == pytest.approx(runs["single"], rel=2e-5), (name, runs)
 
 
 def test_resume_after_a_stop_reproduces_the_uninterrupted_run(tmp_path):
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    results = run_ranks(_train, 2, TINY, full, timeout=300)
-    assert all("exception" not in r for r in results)
-    for argv in (TINY + ["--output.stop_after", "2"], TINY + ["--resume"]):
-        results = run_ranks(_train, 2, argv, part, timeout=300)
+    # The uninterrupted run and the stopped one share a spawn; the resume gets a fresh one, as after a restart.
+    done = run_cases(2, {"full": (_train, (TINY, full)), "stop": (_train, (TINY + ["--output.stop_after", "2"], part))}, timeout=600)
+    for results in done.values():
         assert all("exception" not in r for r in results), [r.get("traceback") for r in results]
-        if "--resume" not in argv:  # as if killed after logging a step past the checkpoint
-            with open(Path(part) / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"step": 2, "loss": 99.0}) + "\n")
+    with open(Path(part) / "metrics.jsonl", "a") as f:  # as if killed after logging a step past the checkpoint
+        f.write(json.dumps({"step": 2, "loss": 99.0}) + "\n")
+    results = run_ranks(_train, 2, TINY + ["--resume"], part, timeout=300)
+    assert all("exception" not in r for r in results), [r.get("traceback") for r in results]
     want, got = _losses(full), _losses(part)
     assert len(got) == 4
     assert got == pytest.approx(want, rel=1e-6)
@@ -186,12 +201,12 @@ def test_dpo_separate_layout_is_trls_and_gives_the_shared_layouts_losses(tmp_pat
         assert sorted(row.labels[row.labels != -100].tolist()) == sorted(shared.labels[shared.labels != -100].tolist())
     args = TINY + ["--data.objective", "dpo", "--data.path", str(data), "--training.steps", "3"]
     runs = {}
-    for name, world, extra in (("shared", 1, ["--parallel.cp", "none"]),
-                               ("separate", 1, ["--parallel.cp", "none", "--data.dpo_layout", "separate"]),
-                               ("separate_ring2", 2, ["--parallel.cp", "ring", "--data.dpo_layout", "separate"])):
-        out = str(tmp_path / name)
-        results = run_ranks(_train, world, args + extra, out, timeout=300)
-        assert all("exception" not in r for r in results), [r.get("traceback") for r in results]
-        runs[name] = _losses(out)
+    for world, layouts in ((1, {"shared": ["--parallel.cp", "none"],  # both one-process runs in one spawn
+                                "separate": ["--parallel.cp", "none", "--data.dpo_layout", "separate"]}),
+                           (2, {"separate_ring2": ["--parallel.cp", "ring", "--data.dpo_layout", "separate"]})):
+        done = run_cases(world, {name: (_train, (args + extra, str(tmp_path / name))) for name, extra in layouts.items()}, timeout=600)
+        for name, results in done.items():
+            assert all("exception" not in r for r in results), [r.get("traceback") for r in results]
+            runs[name] = _losses(tmp_path / name)
     assert runs["separate"] == pytest.approx(runs["shared"], rel=1e-5), runs
     assert runs["separate_ring2"] == pytest.approx(runs["shared"], rel=2e-5), runs
