@@ -206,17 +206,18 @@ def test_a_logger_without_its_package_is_refused_on_every_rank_naming_the_extra(
 def test_eval_is_the_same_under_data_and_context_parallelism(tmp_path):
     """The held-out loss is summed over the world as a step's loss is: data-parallel ranks take shares
     of the held-out rows (three rows over two ranks: one rank has fewer), CP ranks their shards."""
-    from tests.distributed.spawn import run_ranks
+    from tests.distributed.spawn import run_cases
     from tests.trainer.test_trainer import _train
 
     args = TINY + ["--data.objective", "dpo", "--data.seq_len", "256", "--training.steps", "2", "--eval.rows", "3",
                    "--eval.every", "1"]
     got = {}
-    for name, world, extra in (("single", 1, ["--training.grad_accum", "2"]), ("dp2", 2, []),
-                               ("ring2", 2, ["--parallel.cp", "ring", "--training.grad_accum", "2"])):
-        results = run_ranks(_train, world, args + extra, str(tmp_path / name), timeout=300)
-        assert all("exception" not in r for r in results), [r.get("traceback") for r in results]
-        got[name] = [(r["eval_loss"], r["eval_reward_margin"]) for r in _records(tmp_path / name) if "eval_loss" in r]
+    for world, layouts in ((1, {"single": ["--training.grad_accum", "2"]}),
+                           (2, {"dp2": [], "ring2": ["--parallel.cp", "ring", "--training.grad_accum", "2"]})):  # one spawn
+        done = run_cases(world, {name: (_train, (args + extra, str(tmp_path / name))) for name, extra in layouts.items()}, timeout=600)
+        for name, results in done.items():
+            assert all("exception" not in r for r in results), [r.get("traceback") for r in results]
+            got[name] = [(r["eval_loss"], r["eval_reward_margin"]) for r in _records(tmp_path / name) if "eval_loss" in r]
     assert len(got["single"]) == 2
     for name in ("dp2", "ring2"):
         losses, margins = zip(*got[name])
