@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from tests.distributed.spawn import run_ranks
+from tests.distributed.spawn import run_cases, run_ranks
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
 # DeepSpeed builds a shared-memory comm op for CPU ranks the first time (30-70 s); keep it between runs.
@@ -40,9 +40,15 @@ def distributed_attention(rank, world, balance):
     return {"out": err(out.detach(), ref.detach()), "dq": err(ql.grad, q.grad), "dk": err(kl.grad, k.grad), "dv": err(vl.grad, v.grad)}
 
 
+@pytest.fixture(scope="module")
+def attention_runs():
+    """Both balance modes in one 2-rank spawn."""
+    return run_cases(2, {balance: (distributed_attention, (balance,)) for balance in ("contiguous", "zigzag")}, timeout=500)
+
+
 @pytest.mark.parametrize("balance", ["contiguous", "zigzag"])
-def test_distributed_attention_with_flashmask(balance):
-    for res in run_ranks(distributed_attention, 2, balance, timeout=400):
+def test_distributed_attention_with_flashmask(attention_runs, balance):
+    for res in attention_runs[balance]:
         assert "exception" not in res, res.get("traceback")
         assert max(res.values()) < 1e-10, res
 

@@ -4,7 +4,7 @@ padding, peft LoRA, and context parallelism (ring, Ulysses, hybrid) against one 
 import pytest
 import torch
 
-from tests.distributed.spawn import run_ranks
+from tests.distributed.spawn import run_cases
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -118,9 +118,22 @@ def lora_under_cp(rank, world, mode, balance):
     return {"loss": total.item(), "want": full.item(), "grad_err": grad_err, "grad_scale": max(w.abs().max().item() for w in want)}
 
 
-@pytest.mark.parametrize("mode, world, balance", [("ring", 2, "zigzag"), ("ulysses", 2, "mask"), ("hybrid", 4, "contiguous")])
-def test_lora_loss_and_gradients_under_context_parallelism(mode, world, balance):
-    for res in run_ranks(lora_under_cp, world, mode, balance, timeout=300):
+CP_CASES = [("ring", 2, "zigzag"), ("ulysses", 2, "mask"), ("hybrid", 4, "contiguous")]
+
+
+@pytest.fixture(scope="module")
+def under_cp():
+    """The cases of each world size in one spawn: {mode: each rank's result}."""
+    got = {}
+    for world in (2, 4):
+        got.update(run_cases(world, {mode: (lora_under_cp, (mode, balance)) for mode, w, balance in CP_CASES if w == world},
+                             timeout=400))
+    return got
+
+
+@pytest.mark.parametrize("mode, world, balance", CP_CASES)
+def test_lora_loss_and_gradients_under_context_parallelism(under_cp, mode, world, balance):
+    for res in under_cp[mode]:
         assert "exception" not in res, res.get("traceback")
         assert res["loss"] == pytest.approx(res["want"], rel=1e-12, abs=1e-12)
         assert res["grad_err"] <= 1e-10 * max(res["grad_scale"], 1.0)
