@@ -42,8 +42,10 @@ def distributed_attention(rank, world, balance):
 
 @pytest.fixture(scope="module")
 def attention_runs():
-    """Both balance modes in one 2-rank spawn."""
-    return run_cases(2, {balance: (distributed_attention, (balance,)) for balance in ("contiguous", "zigzag")}, timeout=500)
+    """Both balance modes and (last: it wraps the HF attention of its process) the Ulysses HF wrapper in one 2-rank spawn."""
+    cases = {balance: (distributed_attention, (balance,)) for balance in ("contiguous", "zigzag")}
+    cases["ulysses_hf"] = (ulysses_hf, ())
+    return run_cases(2, cases, timeout=600)
 
 
 @pytest.mark.parametrize("balance", ["contiguous", "zigzag"])
@@ -91,8 +93,8 @@ def ulysses_hf(rank, world):
     return {"got": got.item(), "want": want, "causal": causal.item()}
 
 
-def test_ulysses_hf_keeps_packed_document_masks():
-    for res in run_ranks(ulysses_hf, 2, timeout=400):
+def test_ulysses_hf_keeps_packed_document_masks(attention_runs):
+    for res in attention_runs["ulysses_hf"]:
         assert "exception" not in res, res.get("traceback")
         assert res["got"] == pytest.approx(res["want"], rel=1e-10)
         assert abs(res["causal"] - res["want"]) > 1e-6  # without the FlashMask the documents would mix
