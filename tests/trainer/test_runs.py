@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -69,8 +70,11 @@ def test_user_errors_are_one_line_without_traceback(tmp_path):
     ]
     if not torch.cuda.is_available():  # CUDA graphs on a CPU run: refused before anything is built
         cases.append((["--parallel.cp", "ring", "--parallel.cuda_graphs", "true"], "parallel.cuda_graphs: expected a CUDA run"))
-    for argv, message in cases:
-        assert_user_error(trainer(*TINY, "--output.dir", str(tmp_path / "out"), *argv), message)
+    # Independent refusals, two processes at a time (each is one interpreter's start; CI has 2 cores).
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        procs = list(pool.map(lambda argv: trainer(*TINY, "--output.dir", str(tmp_path / "out"), *argv), [a for a, _ in cases]))
+    for proc, (argv, message) in zip(procs, cases):
+        assert_user_error(proc, message)
     assert not (tmp_path / "out").exists()  # nothing was written by a run that could not start
 
 
