@@ -346,8 +346,9 @@ def plan_memory(n: int, *, layers: int, hidden: int, itemsize: int, static_bytes
     most (:meth:`StepBudget.need`), ``static + fixed + per_token * n`` and the layer inputs that phase
     holds (:func:`inputs_held`: the ``C - c`` kept checkpoints in the forward and the loss's backward;
     in the layers' backward, a segment's other ``every - 1`` inputs being recomputed and the kept
-    checkpoints below it); the host holds ``c``. Measured against it (docs/long-context.md): 512k,
-    ``every`` 1, 24 of 32 offloaded: 70.8 GiB planned, 71.1 measured (H100).
+    checkpoints below it) and the margin; the host holds ``c``. Measured against it
+    (docs/long-context.md): 512k, ``every`` 1, 24 of 32 offloaded: 70.8 GiB planned without the
+    margin, 71.3 with it, 71.1 measured (H100).
     Candidates go from ``every`` 1 (no recompute beyond the tiled layers' own), then 2, 3, ... (each
     costs the same one more forward of every layer: the order among them only trades device memory
     for host copies; docs/long-context.md) and, for each, the fewest offloaded checkpoints (host
