@@ -164,14 +164,18 @@ class _DropGradient(torch.autograd.Function):
         return None, None
 
 
-def _needs_a_dropped_gradient(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-    """Forward hook on the input embeddings (see :func:`measure_one_layer`)."""
+def dropped_gradient_input(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    """The one layer's input as :func:`measure_one_layer` makes it (a forward hook on the input
+    embeddings): the embeddings' output, needing a gradient that is dropped once made."""
     return _DropGradient.apply(out.detach(), torch.zeros((), device=out.device, requires_grad=True))
 
 
-def measure_one_layer(cfg: Config, device: torch.device, vocab_size: int, lengths: tuple[int, int]) -> dict:
+def measure_one_layer(cfg: Config, device: torch.device, vocab_size: int, lengths: tuple[int, int], *,
+                      layer_input: Callable = dropped_gradient_input) -> dict:
     """Build the run's model with one decoder layer (checkpoint on the host) on ``device`` and run a
-    training step of each of ``lengths`` tokens (on :func:`worst_case_mask`). Returns ``static`` (bytes before
+    training step of each of ``lengths`` tokens (on :func:`worst_case_mask`); ``layer_input``: a forward
+    hook on the input embeddings that makes the layer's input (launch/bench/one_layer_input.py
+    compares others). Returns ``static`` (bytes before
     the steps), ``layer`` (one decoder layer's parameter bytes), ``adapter`` (the trainable parameters'
     bytes) and ``peaks`` (``{n: {phase: bytes above static}}``, :class:`PhasePeaks`; the final hidden
     state is held by the loss's graph only, as in the trainer's step)."""
@@ -189,7 +193,7 @@ def measure_one_layer(cfg: Config, device: torch.device, vocab_size: int, length
     # frees it, where a leaf's dx would be kept in its .grad through the step. Measured on the H100 at
     # the 1M config's lengths (the layers' backward): 32.5 KiB per token this way, 40.0 with a leaf
     # input, 24.5 with an input needing no gradient; the real model's 1M runs imply about 32.
-    model.get_input_embeddings().register_forward_hook(_needs_a_dropped_gradient)
+    model.get_input_embeddings().register_forward_hook(layer_input)
     layer = sum(p.numel() * p.element_size() for p in decoder_layers(model)[0].parameters())
     adapter = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     peaks = {}

@@ -34,7 +34,7 @@ from fm_parallel.trainer.config import load_config  # noqa: E402
 from fm_parallel.trainer.memory import GIB, StepBudget  # noqa: E402
 
 VARIANTS = {
-    "dropped": capacity._needs_a_dropped_gradient,
+    "dropped": capacity.dropped_gradient_input,
     "leaf": lambda module, args, out: out.detach().requires_grad_(),
     "none": lambda module, args, out: out.detach(),
 }
@@ -51,21 +51,17 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("needs a GPU: the lines are the CUDA allocator's peaks")
     cfg = load_config(["--config", args.config], environ={})
     lengths = capacity.measured_lengths(cfg, cfg.data.seq_len)
-    try:
-        for name in args.variants:
-            capacity._needs_a_dropped_gradient = VARIANTS[name]  # the hook measure_one_layer registers
-            got = capacity.measure_one_layer(cfg, torch.device("cuda"), args.vocab_size, lengths)
-            lines = StepBudget.fit(got["peaks"]).lines
-            row = {"variant": name, "config": args.config, "lengths": list(lengths),
-                   "device": torch.cuda.get_device_name(), "static_gib": got["static"] / GIB,
-                   "peaks_gib": {str(n): {p: v / GIB for p, v in ph.items()} for n, ph in got["peaks"].items()},
-                   "lines": {p: [fixed / GIB, per_token / 1024] for p, (fixed, per_token) in lines.items()}}
-            print(json.dumps(row), flush=True)
-            if args.out:
-                with args.out.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-    finally:
-        capacity._needs_a_dropped_gradient = VARIANTS["dropped"]
+    for name in args.variants:
+        got = capacity.measure_one_layer(cfg, torch.device("cuda"), args.vocab_size, lengths, layer_input=VARIANTS[name])
+        lines = StepBudget.fit(got["peaks"]).lines
+        row = {"variant": name, "config": args.config, "lengths": list(lengths),
+               "device": torch.cuda.get_device_name(), "static_gib": got["static"] / GIB,
+               "peaks_gib": {str(n): {p: v / GIB for p, v in ph.items()} for n, ph in got["peaks"].items()},
+               "lines": {p: [fixed / GIB, per_token / 1024] for p, (fixed, per_token) in lines.items()}}
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with args.out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
 
 if __name__ == "__main__":
     main()

@@ -67,6 +67,8 @@ CATALOGUE = (
               what="the trainer's tokens/s with FlashMask vs Flex vs SDPA + dense mask, 1B at 32k-128k"),
     Benchmark("max-context", "long-context", "max_context.py", ("--models", "1b", "8b"), gpus=1,
               writes="max_context.json / .md / .png, max_context_shapes.png", what="longest LoRA step that fits on one GPU, by attention and model shape"),
+    Benchmark("one-layer-input", "long-context", "one_layer_input.py", ("--config", "launch/configs/h200_8b_1m.toml"), gpus=1,
+              writes="(prints JSON lines; --out FILE)", what="the memory plan's one-layer lines, the layer input made three ways"),
     Benchmark("train-context", "long-context", "train_context.py",
               ("--nproc", "8", "--shape", "8b", "--cp", "ring", "--start", "262144"), gpus=8,
               writes="train_context_8b_ring_x8.json / .md / .png", what="longest sequence the trainer trains on P ranks with CP"),

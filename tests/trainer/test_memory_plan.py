@@ -390,19 +390,20 @@ def test_the_trainer_says_once_when_a_step_peaks_above_its_plan(tmp_path, room):
         assert said[0].startswith("warning: memory plan missed: the step peaked at")
 
 
-def test_the_one_layer_input_script_measures_each_variant_and_restores_the_plans_hook(monkeypatch, capsys):
-    """``launch/bench/one_layer_input.py``, without a GPU's allocator: each variant is the hook the
-    measurement registers while it runs (the dropped gradient the plan's), at the lengths the plan
-    measures, and the plan's hook is back afterwards."""
+def test_the_one_layer_input_script_measures_each_variant_at_the_plans_lengths(monkeypatch, capsys):
+    """``launch/bench/one_layer_input.py``, without a GPU's allocator: each variant is the layer input
+    the measurement is given (the dropped gradient the plan's default), at the lengths the plan
+    measures."""
+    import inspect
     import json
 
     from fm_parallel.trainer import capacity
     from launch.bench import one_layer_input as script
 
-    plan_hook, seen = capacity._needs_a_dropped_gradient, []
+    seen = []
 
-    def measure(cfg, device, vocab_size, lengths):
-        out = capacity._needs_a_dropped_gradient(None, (), torch.ones(2))
+    def measure(cfg, device, vocab_size, lengths, *, layer_input):
+        out = layer_input(None, (), torch.ones(2))
         seen.append((lengths, out.requires_grad, out.is_leaf))
         return {"static": GIB, "peaks": {n: {"layers_backward": n * 1024.0} for n in lengths}}
 
@@ -414,4 +415,6 @@ def test_the_one_layer_input_script_measures_each_variant_and_restores_the_plans
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["variant"] for r in rows] == ["dropped", "leaf", "none"]
     assert rows[0]["lines"]["layers_backward"] == pytest.approx([0.0, 1.0])
-    assert capacity._needs_a_dropped_gradient is plan_hook
+    monkeypatch.undo()
+    default = inspect.signature(capacity.measure_one_layer).parameters["layer_input"].default
+    assert default is capacity.dropped_gradient_input is script.VARIANTS["dropped"]
