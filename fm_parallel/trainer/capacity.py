@@ -30,8 +30,8 @@ import torch
 from fm_parallel.trainer.config import Config, ConfigError
 from fm_parallel.trainer.memory import GIB, MARGIN_PER_TOKEN, MemoryPlan, MemoryPlanError, StepBudget, plan_memory
 
-__all__ = ["PHASES", "PhasePeaks", "plan_run", "measure_one_layer", "measured_loss", "worst_case_mask",
-           "host_memory_bytes"]
+__all__ = ["PHASES", "PhasePeaks", "plan_run", "measure_one_layer", "measured_lengths", "dropped_gradient_input",
+           "measured_loss", "worst_case_mask", "host_memory_bytes"]
 
 PHASES = ("forward", "loss_backward", "layers_backward", "optimizer")
 

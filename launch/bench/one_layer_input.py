@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from fm_parallel.trainer import capacity  # noqa: E402
 from fm_parallel.trainer.config import load_config  # noqa: E402
 from fm_parallel.trainer.memory import GIB, StepBudget  # noqa: E402
+from fm_parallel.trainer.model import build_tokenizer  # noqa: E402
 
 VARIANTS = {
     "dropped": capacity.dropped_gradient_input,
@@ -44,15 +45,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="the run's TOML config (its model, data and loss)")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
-    parser.add_argument("--vocab-size", type=int, default=258, help="the trainer's byte tokenizer's: 258")
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a GPU: the lines are the CUDA allocator's peaks")
     cfg = load_config(["--config", args.config], environ={})
+    vocab_size = build_tokenizer(cfg).vocab_size  # the run's, as the trainer plans with (the loss's chunks)
     lengths = capacity.measured_lengths(cfg, cfg.data.seq_len)
     for name in args.variants:
-        got = capacity.measure_one_layer(cfg, torch.device("cuda"), args.vocab_size, lengths, layer_input=VARIANTS[name])
+        got = capacity.measure_one_layer(cfg, torch.device("cuda"), vocab_size, lengths, layer_input=VARIANTS[name])
         lines = StepBudget.fit(got["peaks"]).lines
         row = {"variant": name, "config": args.config, "lengths": list(lengths),
                "device": torch.cuda.get_device_name(), "static_gib": got["static"] / GIB,
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.out:
             with args.out.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+
 
 if __name__ == "__main__":
     main()

@@ -405,6 +405,7 @@ def test_the_one_layer_input_script_measures_each_variant_at_the_plans_lengths(m
     def measure(cfg, device, vocab_size, lengths, *, layer_input):
         out = layer_input(None, (), torch.ones(2))
         seen.append((lengths, out.requires_grad, out.is_leaf))
+        assert vocab_size == 258  # the config's tokenizer (bytes), as the trainer plans with
         return {"static": GIB, "peaks": {n: {"layers_backward": n * 1024.0} for n in lengths}}
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -418,3 +419,28 @@ def test_the_one_layer_input_script_measures_each_variant_at_the_plans_lengths(m
     monkeypatch.undo()
     default = inspect.signature(capacity.measure_one_layer).parameters["layer_input"].default
     assert default is capacity.dropped_gradient_input is script.VARIANTS["dropped"]
+
+
+def test_the_one_layer_input_script_measures_with_the_runs_tokenizer(monkeypatch, tmp_path, capsys):
+    """A config with its own tokenizer: the one layer is measured with that vocabulary (the loss's
+    chunks over it are in the lines), as the trainer's plan is, not the byte tokenizer's 258."""
+    from fm_parallel.trainer import capacity
+    from launch.bench import one_layer_input as script
+    from tests.trainer.test_model import _tokenizer
+
+    tok = _tokenizer()
+    tok.save_pretrained(tmp_path / "tok")
+    config = (script.ROOT / "launch/configs/h200_8b_1m.toml").read_text()
+    assert "\n[data]\n" in config
+    (tmp_path / "run.toml").write_text(config.replace("\n[data]\n", f"\n[data]\ntokenizer = \"{tmp_path / 'tok'}\"\n"))
+    vocab = []
+
+    def measure(cfg, device, vocab_size, lengths, *, layer_input):
+        vocab.append(vocab_size)
+        return {"static": GIB, "peaks": {n: {"layers_backward": n * 1024.0} for n in lengths}}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "test")
+    monkeypatch.setattr(capacity, "measure_one_layer", measure)
+    script.main(["--config", str(tmp_path / "run.toml"), "--variants", "dropped"])
+    assert vocab == [len(tok)] and len(tok) != 258
