@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from fm_parallel.trainer.config import Config, ConfigError
-from fm_parallel.trainer.memory import GIB, MARGIN_PER_TOKEN, MemoryPlan, MemoryPlanError, StepBudget, plan_memory
+from fm_parallel.trainer.memory import GIB, MemoryPlan, MemoryPlanError, StepBudget, plan_memory
 
 __all__ = ["PHASES", "PhasePeaks", "plan_run", "measure_one_layer", "measured_lengths", "dropped_gradient_input",
            "measured_loss", "worst_case_mask", "host_memory_bytes"]
@@ -270,10 +270,7 @@ def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
                            device_budget=device_budget, host_budget=host_budget)
     except MemoryPlanError as e:
         raise ConfigError(f"data.seq_len: {e} (model.memory_plan = 'auto', {where})") from None
-    fixed, per_token = budget.lines[plan.phase]
-    measured = (f"{where}, the {plan.phase.replace('_', ' ')} peaks at this length: {per_token / 2**10:.0f} KiB per "
-                f"token beyond the checkpoints and {MARGIN_PER_TOKEN / 2**10:.0f} KiB of margin, "
-                f"{(constant + fixed) / GIB:.1f} GiB fixed")
+    measured = f"{where}, the {plan.phase.replace('_', ' ')} peaks at this length: {budget.describe(plan.phase, constant)}"
     m.checkpoint_every, m.offload_layers = plan.every, plan.offload_layers
     say(f"memory plan: {plan} ({measured})")
     return plan

@@ -317,6 +317,12 @@ class StepBudget:
         phase = max(needs, key=needs.get)
         return phase, needs[phase]
 
+    def describe(self, phase: str, static_bytes: float) -> str:
+        """``phase``'s line in words, as the plan and a refusal print it (``static_bytes``: the plan's)."""
+        fixed, per_token = self.lines[phase]
+        return (f"{per_token / 2**10:.0f} KiB per token beyond the checkpoints and {MARGIN_PER_TOKEN / 2**10:.0f} KiB "
+                f"of margin, {(static_bytes + fixed) / GIB:.1f} GiB fixed")
+
 
 def plan_shortfall(plan: MemoryPlan | None, peak_bytes: float) -> str | None:
     """The warning for a step whose measured device peak ``peak_bytes`` is above what ``plan``
@@ -372,10 +378,8 @@ def plan_memory(n: int, *, layers: int, hidden: int, itemsize: int, static_bytes
             if best is None or miss < best[0]:
                 best = (miss, device, host, phase)
     _, device, host, phase = best
-    fixed, per_token = budget.lines[phase]
     raise MemoryPlanError(
         f"n: {n} tokens do not fit: the closest plan needs {device / GIB:.1f} GiB on the device and {host / GIB:.1f} GiB "
         f"of host memory, this machine gives {device_budget / GIB:.1f} GiB and {host_budget / GIB:.1f} GiB "
         f"({layers} layers, a checkpoint of {ckpt / GIB:.2f} GiB each; at its peak, the {phase.replace('_', ' ')}: "
-        f"{per_token / 2**10:.0f} KiB per token beyond the checkpoints and {MARGIN_PER_TOKEN / 2**10:.0f} KiB of margin, "
-        f"{(static_bytes + fixed) / GIB:.1f} GiB fixed)")
+        f"{budget.describe(phase, static_bytes)})")
