@@ -78,6 +78,16 @@ def run_ranks(fn, world: int, *args, timeout: float = 240.0, allow_missing: bool
         return [json.load(open(path)) for path in paths]
 
 
+def raised(call) -> dict:
+    """What ``call()`` raised on this rank (``{"raised": "Type: message"}``; ``None``: it returned), kept as
+    a case's result so that a refusal expected on every rank does not stop the later cases of its spawn."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the test checks what each rank raised
+        return {"raised": f"{type(e).__name__}: {e}"}
+    return {"raised": None}
+
+
 def _cases(rank, world, cases):
     """Each case in turn on this rank; after each, the ranks learn whether any raised and stop together."""
     out, failed = {}, None

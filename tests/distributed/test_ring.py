@@ -10,7 +10,7 @@ that disagree, each test reading its own case's results.
 import pytest
 import torch
 
-from tests.distributed.spawn import run_cases
+from tests.distributed.spawn import raised, run_cases
 
 N, HQ, HKV, D = 128, 4, 2, 16
 BALANCES = ["contiguous", "zigzag", "mask"]
@@ -140,15 +140,6 @@ def test_only_the_key_windows_travel(ring_results):
         assert r["bytes"] < r["posted"] * 2 * full_chunk, (rank, r["bytes"], r["posted"])
 
 
-def _raised(call):
-    """What ``call`` raised (None: it ran), kept as the case's result: later cases of the spawn still run."""
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - the test checks what each rank raised
-        return {"raised": f"{type(e).__name__}: {e}"}
-    return {"raised": None}
-
-
 def mismatched_lengths(rank, world):
     from fm_parallel import masks
     from fm_parallel.distributed import ring_attention, shard
@@ -157,7 +148,7 @@ def mismatched_lengths(rank, world):
     mask = masks.causal(n)
     plan = shard(mask, world, balance="contiguous")
     q = torch.randn(1, 2, n // world, 8)
-    return _raised(lambda: ring_attention(q, q, q, mask, plan))
+    return raised(lambda: ring_attention(q, q, q, mask, plan))
 
 
 def mismatched_masks(rank, world):
@@ -167,7 +158,7 @@ def mismatched_masks(rank, world):
     mask = masks.causal(64) if rank == 0 else masks.document([32, 32])
     plan = shard(64, world, balance="contiguous")
     q = torch.randn(1, 2, 64 // world, 8)
-    return _raised(lambda: ring_attention(q, q, q, mask, plan))
+    return raised(lambda: ring_attention(q, q, q, mask, plan))
 
 
 @pytest.mark.parametrize("fn, message", [(mismatched_lengths, "expected the same value on every rank"),

@@ -7,7 +7,7 @@ One spawn per world size (module fixtures): the 4-rank one also runs the hybrid 
 import pytest
 import torch
 
-from tests.distributed.spawn import run_cases
+from tests.distributed.spawn import raised, run_cases
 
 N, D = 96, 8
 
@@ -129,11 +129,7 @@ def bad_heads(rank, world):
 
     mask = masks.causal(32)
     x = torch.randn(1, 3, 32 // world, 8)  # 3 heads over 2 ranks
-    try:
-        ulysses_attention(x, x, x, mask, shard(32, world, "contiguous"))
-    except Exception as e:  # noqa: BLE001 - the test checks what each rank raised
-        return {"raised": f"{type(e).__name__}: {e}"}
-    return {"raised": None}
+    return raised(lambda: ulysses_attention(x, x, x, mask, shard(32, world, "contiguous")))
 
 
 def test_heads_not_divisible_raise_naming_both_numbers(two_ranks):
