@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import gc
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -30,7 +31,8 @@ import torch
 from fm_parallel.trainer.config import Config, ConfigError
 from fm_parallel.trainer.memory import GIB, MemoryPlan, MemoryPlanError, StepBudget, plan_memory
 
-__all__ = ["PHASES", "PhasePeaks", "plan_run", "measure_one_layer", "measured_lengths", "dropped_gradient_input",
+__all__ = ["PHASES", "PhasePeaks", "plan_run", "LayerBudget", "measure_layer_budget", "measure_one_layer",
+           "measured_lengths", "dropped_gradient_input",
            "measured_loss", "worst_case_mask", "host_memory_bytes"]
 
 PHASES = ("forward", "loss_backward", "layers_backward", "optimizer")
@@ -228,6 +230,41 @@ def measured_lengths(cfg: Config, n: int) -> tuple[int, int]:
     return (lengths[0], lengths[0] * 2) if lengths[0] == lengths[1] else lengths
 
 
+@dataclass(frozen=True)
+class LayerBudget:
+    """One decoder layer's memory, measured by :func:`measure_layer_budget`: ``budget`` (a line per
+    phase above the one-layer model's static memory), the ``lengths`` it was measured at, and, in
+    bytes, the one-layer model's ``static`` memory, one decoder ``layer``'s parameters and the
+    one-layer model's trainable parameters (``adapter``)."""
+
+    budget: StepBudget
+    lengths: tuple[int, int]
+    static: float
+    layer: float
+    adapter: float
+
+    @property
+    def where(self) -> str:
+        return f"measured on one layer at {self.lengths[0]} and {self.lengths[1]} tokens"
+
+
+def measure_layer_budget(cfg: Config, device: torch.device, vocab_size: int, lengths: tuple[int, int], *,
+                         measure: Callable[..., dict] | None = None,
+                         agree: Callable[[list[float]], list[float]] | None = None) -> LayerBudget:
+    """Measure one decoder layer at ``lengths`` (:func:`measure_one_layer`, or ``measure`` with its
+    signature) and fit the :class:`LayerBudget`. ``agree``: the element-wise maximum over the ranks
+    (so they plan alike). The one measurement both planners use: the trainer's (:func:`plan_run`)
+    and ``launch/bench/max_context.py``'s."""
+    got = (measure or measure_one_layer)(cfg, device, vocab_size, lengths)
+    phases = [p for p in PHASES if all(p in got["peaks"][k] for k in lengths)]
+    values = (agree or _largest_over_ranks)([got["static"], got["layer"], got["adapter"],
+                                             *(got["peaks"][k][p] for k in lengths for p in phases)])
+    static, layer, adapter, *rest = values
+    budget = StepBudget.fit({k: dict(zip(phases, rest[i * len(phases):(i + 1) * len(phases)]))
+                             for i, k in enumerate(lengths)})
+    return LayerBudget(budget, tuple(lengths), static, layer, adapter)
+
+
 def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
              measure: Callable[..., dict] | None = None, agree: Callable[[list[float]], list[float]] | None = None,
              say: Callable[[str], None] = print) -> MemoryPlan | None:
@@ -235,7 +272,7 @@ def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
     rank; sets ``model.checkpoint_every`` and ``model.offload_layers`` and returns the plan, or raises
     :class:`ConfigError` (before any model of the run is built) naming what the length would need.
     ``fixed``: returns None. Without a GPU nothing can be measured: a checkpoint per layer, none
-    offloaded, said once. ``agree``: the element-wise maximum over the ranks (so they plan alike)."""
+    offloaded, said once. ``measure``, ``agree``: as :func:`measure_layer_budget`."""
     m = cfg.model
     if m.memory_plan != "auto":
         return None
@@ -247,14 +284,7 @@ def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
         raise ConfigError("model.memory_plan: expected 'fixed' without activation checkpointing (the plan places "
                           "checkpoints), got 'auto'")
     n = cfg.data.seq_len // cp
-    lengths = measured_lengths(cfg, n)
-    got = (measure or measure_one_layer)(cfg, device, vocab_size, lengths)
-    phases = [p for p in PHASES if all(p in got["peaks"][k] for k in lengths)]
-    values = (agree or _largest_over_ranks)([got["static"], got["layer"], got["adapter"],
-                                             *(got["peaks"][k][p] for k in lengths for p in phases)])
-    static, layer, adapter, *rest = values
-    budget = StepBudget.fit({k: dict(zip(phases, rest[i * len(phases):(i + 1) * len(phases)]))
-                             for i, k in enumerate(lengths)})
+    got = measure_layer_budget(cfg, device, vocab_size, measured_lengths(cfg, n), measure=measure, agree=agree)
     layers, hidden = _shape(cfg)
     total = torch.cuda.get_device_properties(device).total_memory
     device_budget = m.device_memory_gib * GIB if m.device_memory_gib else 0.94 * total
@@ -262,15 +292,16 @@ def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
     # The real model's static memory: the one-layer model's, L - 1 more layers, every adapter's AdamW
     # moments; and the other layers' adapter gradients, made during the layers' backward (the one
     # layer's own are in its measured peaks).
-    constant = static + (layers - 1) * layer + 2 * (layers - 1) * adapter + 2 * layers * adapter
+    constant = (got.static + (layers - 1) * got.layer + 2 * (layers - 1) * got.adapter
+                + 2 * layers * got.adapter)
     itemsize = {"float32": 4, "float64": 8}.get(m.dtype, 2)
-    where = f"measured on one layer at {lengths[0]} and {lengths[1]} tokens"
     try:
-        plan = plan_memory(n, layers=layers, hidden=hidden, itemsize=itemsize, static_bytes=constant, budget=budget,
-                           device_budget=device_budget, host_budget=host_budget)
+        plan = plan_memory(n, layers=layers, hidden=hidden, itemsize=itemsize, static_bytes=constant,
+                           budget=got.budget, device_budget=device_budget, host_budget=host_budget)
     except MemoryPlanError as e:
-        raise ConfigError(f"data.seq_len: {e} (model.memory_plan = 'auto', {where})") from None
-    measured = f"{where}, the {plan.phase.replace('_', ' ')} peaks at this length: {budget.describe(plan.phase, constant)}"
+        raise ConfigError(f"data.seq_len: {e} (model.memory_plan = 'auto', {got.where})") from None
+    measured = (f"{got.where}, the {plan.phase.replace('_', ' ')} peaks at this length: "
+                f"{got.budget.describe(plan.phase, constant)}")
     m.checkpoint_every, m.offload_layers = plan.every, plan.offload_layers
     say(f"memory plan: {plan} ({measured})")
     return plan
