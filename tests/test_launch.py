@@ -185,6 +185,65 @@ def test_max_context_step_records_its_phases_and_plans_on_the_costliest(monkeypa
     assert resident % ckpt == 0 and plan.device_bytes <= 74 * GIB  # the layers' line and margin, then whole checkpoints
 
 
+def test_max_context_plans_from_one_layer_measured_as_the_trainer_does():
+    """Without --calibrate the script's plan measures one decoder layer where the trainer's plan does
+    (``capacity.measured_lengths``: 131k and 262k tokens with the default chunks), through the same
+    ``capacity.measure_layer_budget``. Its old default, two whole-model steps at 16k and 32k (below
+    the tiled layer's chunks), gave the layers' backward 69 KiB per token on the H100 (2026-12-07,
+    docs/benchmarks/max_context_runs/8b_h100_512k_16k_calibration.jsonl): it planned 72.0 GiB for a
+    512k step that peaked at 59.1, and refused 1M ("needs 102.8 GiB"), which the trainer ran at
+    66.2 GiB. The one layer (32 KiB per token, the H100's line) plans 1M. A layer that runs out of
+    memory (SDPA's dense mask) is measured at half the lengths, and said."""
+    import json
+    import types
+
+    from fm_parallel.trainer.capacity import measured_lengths
+    from fm_parallel.trainer.memory import GIB, MemoryPlanError
+
+    sys.path.insert(0, str(ROOT / "launch" / "bench"))
+    from max_context import Planner, _config
+
+    def planner():
+        return Planner(32, 4096, 2, 0.94 * 79.18 * GIB, 96 * GIB, None, None)
+
+    old = planner()
+    runs = ROOT / "docs" / "benchmarks" / "max_context_runs"
+    old_cal = json.loads((runs / "8b_h100_512k_16k_calibration.jsonl").read_text().splitlines()[0])
+    old.calibrate({c["n"]: {k: v * GIB for k, v in c["phases_gib"].items()} for c in old_cal["calibration"]})
+    with pytest.raises(MemoryPlanError, match="1048576 tokens do not fit"):
+        old.plan(1 << 20, 15.07 * GIB)
+
+    line = json.loads((ROOT / "docs/benchmarks/one_layer_input_h100/script_lines.jsonl").read_text().splitlines()[0])
+    peaks = {int(n): {k: v * GIB for k, v in p.items()} for n, p in line["peaks_gib"].items()}
+    asked = []
+
+    def measure(cfg, device, vocab, lengths):
+        asked.append(tuple(lengths))
+        if lengths[1] > 262144:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+        return {"static": 0.48 * GIB, "layer": 436207616, "adapter": 4 * 2 * 16 * 8192 * 4,
+                "peaks": {n: peaks[n] for n in lengths}}
+
+    args = types.SimpleNamespace(tile_chunk=16384, attention_chunk=65536, compile="auto", lora_compute="base",
+                                 max=1 << 21, loss_chunk=8192)
+    cfg = _config("8b", "flashmask", args)
+    new = planner()
+    report = new.measure_layer(cfg, torch.device("cpu"), 128256, 1 << 20, measure=measure)
+    assert asked == [measured_lengths(cfg, 1 << 20)] == [(131072, 262144)]
+    assert report["calibration"] == "measured on one layer at 131072 and 262144 tokens"
+    assert report["lines"]["layers_backward"]["bytes_per_token"] == pytest.approx(32.0 * 2**10, abs=1024)
+    plan = new.plan(1 << 20, 15.07 * GIB)
+    assert (plan.every, plan.offload_layers) == (3, 27) and 66.2 < plan.device_bytes / GIB < 0.94 * 79.18
+
+    shorter = planner()  # measured_lengths for 2M: the same lengths; a layer out of memory there is halved
+    asked.clear()
+    cfg.model.attention_chunk = 262144  # two of each chunk: 524288 and 1M, out of memory in the stand-in
+    report = shorter.measure_layer(cfg, torch.device("cpu"), 128256, 1 << 21, measure=measure)
+    assert asked == [(524288, 1048576), (262144, 524288), (131072, 262144)]
+    assert report["ran_out_of_memory_at"] == [[524288, 1048576], [262144, 524288]] and report["lengths"] == [131072, 262144]
+    assert _config("8b", "flashmask", args).data.max_doc_tokens == 3584  # the worst case of _step's documents
+
+
 def test_max_context_by_shape_orders_shapes_and_marks_lower_bounds():
     sys.path.insert(0, str(ROOT / "launch" / "bench"))
     from max_context import by_shape

@@ -8,8 +8,9 @@ each attention implementation, the length doubles from --start while a step fits
 between the last length that fit and the first that did not (to --granularity tokens). A step is one
 forward + backward + AdamW step on one row of packed documents (mean length 2048) with the trainer's
 memory switches: activation checkpoints (one per --checkpoint-every layers, those of the first
---offload layers in host memory; both planned from two calibration steps by default, a length no
-plan fits refused before its step), sequence-tiled per-token work, chunked loss. Every length tried is reported with peak memory, step time and tokens/s.
+--offload layers in host memory; both planned by default, from one decoder layer measured as the
+trainer's memory plan measures it, a length no plan fits refused before its step), sequence-tiled
+per-token work, chunked loss. Every length tried is reported with peak memory, step time and tokens/s.
 
 Writes docs/benchmarks/max_context.json and max_context.md (and a plot).
 """
@@ -35,6 +36,9 @@ SHAPES = {
     "8b": dict(hidden_size=4096, layers=32, heads=32, kv_heads=8, intermediate_size=14336, vocab=128256),
 }
 IMPLS = ("flashmask", "sdpa_dense", "flex")
+DOC_MEAN = 2048  # the packed documents' mean length (masks.sample_lengths)
+LONGEST_DOC = DOC_MEAN * 7 // 4  # sample_lengths draws below 7/4 of the mean: the plan's worst case
+SHORTEST_MEASURE = 4096  # the one-layer measurement halves its lengths down to this before giving up
 
 
 def search_longest(fits, start: int, maximum: int, granularity: int) -> tuple[int, list[int]]:
@@ -81,6 +85,7 @@ def _config(shape: str, impl: str, args):
     cfg.data.seq_len = args.max  # only sizes the rotary table
     cfg.parallel.cp = "none"
     cfg.training.loss_chunk = args.loss_chunk
+    cfg.data.max_doc_tokens = LONGEST_DOC  # the plan measures the costliest mask of _step's documents
     return cfg
 
 
@@ -93,28 +98,70 @@ def _model(shape: str, impl: str, device, args):
 
 class Planner:
     """The memory plan of each length, from the model's shape and a measured budget, not from trial and
-    error (``fm_parallel.trainer.memory.plan_memory``). ``calibrate`` takes two short steps' peaks with
-    every checkpoint on the host, phase by phase (``fm_parallel.trainer.capacity.PhasePeaks``), and
-    fits a line ``fixed + per_token * n`` per phase (``StepBudget``: the loss's chunks and the mask
-    tables land in ``fixed``); each length is planned on the phase that needs the most there.
-    ``every`` / ``offload``: None to plan, else fixed. Without a GPU nothing is planned (no device
-    budget): the fixed values, or a checkpoint per layer and none offloaded."""
+    error (``fm_parallel.trainer.memory.plan_memory``). By default ``measure_layer`` measures one
+    decoder layer as the trainer's plan does (``fm_parallel.trainer.capacity.measure_layer_budget`` at
+    ``measured_lengths``): a line ``fixed + per_token * n`` per phase (``StepBudget``); with
+    ``--calibrate``, ``calibrate`` fits those lines through two short steps' peaks of the whole model
+    with every checkpoint on the host, phase by phase (how the figures before 2026-12-07 were made:
+    below the tiled layer's chunks such steps overstate the per-token line, twice over at 16k and 32k).
+    Each length is planned on the phase that needs the most there. ``every`` / ``offload``: None to
+    plan, else fixed. Without a GPU nothing is planned (no device budget): the fixed values, or a
+    checkpoint per layer and none offloaded."""
 
     def __init__(self, layers: int, hidden: int, itemsize: int, device_budget: float, host_budget: float,
                  every: int | None, offload: int | None):
         self.layers, self.hidden, self.itemsize = layers, hidden, itemsize
         self.device_budget, self.host_budget, self.every, self.offload = device_budget, host_budget, every, offload
         self.budget = None
+        self.extra = 0.0  # bytes the measurement leaves out of the model's static memory
+
+    def measure_layer(self, cfg, device, vocab_size: int, longest: int, *, measure=None) -> dict:
+        """Measure one layer of ``cfg``'s model at ``capacity.measured_lengths(cfg, longest)`` (as the
+        trainer would for a ``longest``-token step); lengths whose layer runs out of memory (SDPA's
+        dense mask) are halved, down to ``SHORTEST_MEASURE``. ``measure``: as
+        ``capacity.measure_one_layer``. Returns the report printed and kept in the results."""
+        import gc
+
+        from fm_parallel.trainer.capacity import measure_layer_budget, measured_lengths
+
+        lengths, too_long = measured_lengths(cfg, longest), []
+        while True:
+            try:
+                got = measure_layer_budget(cfg, device, vocab_size, lengths, measure=measure)
+                break
+            except Exception as e:  # noqa: BLE001 - out of memory: shorter lengths; anything else is raised
+                if not _is_oom(e):
+                    raise
+                too_long.append(list(lengths))
+                if lengths[0] // 2 < SHORTEST_MEASURE:
+                    raise SystemExit(f"error: the memory plan's one-layer measurement ran out of memory at every "
+                                     f"length down to {lengths[0]} and {lengths[1]} tokens; give --calibrate "
+                                     f"lengths or fixed --offload and --checkpoint-every") from None
+                lengths = (lengths[0] // 2, lengths[1] // 2)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        self.budget = got.budget
+        # The script's static memory is measured on the whole model at each plan (no AdamW state before
+        # the step: _step makes it); the other layers' adapter gradients, made during the layers'
+        # backward, are not in it (the one layer's own are in its peaks).
+        self.extra = (self.layers - 1) * got.adapter
+        return {"calibration": got.where, "lengths": list(lengths), "ran_out_of_memory_at": too_long,
+                "lines": self._lines()}
+
+    def _lines(self) -> dict:
+        return {phase: {"fixed_gib": fixed / 2**30, "bytes_per_token": per_token}
+                for phase, (fixed, per_token) in self.budget.lines.items()}
 
     def calibrate(self, measured: dict[int, dict[str, float]]) -> dict:
         """``measured[n][phase]``: bytes above static of the step of ``n`` tokens."""
         from fm_parallel.trainer.memory import StepBudget
 
         self.budget = StepBudget.fit(measured)
+        self.extra = 0.0
         return {"calibration": [{"n": n, "used_gib": max(p.values()) / 2**30,
                                  "phases_gib": {k: v / 2**30 for k, v in p.items()}} for n, p in sorted(measured.items())],
-                "lines": {phase: {"fixed_gib": fixed / 2**30, "bytes_per_token": per_token}
-                          for phase, (fixed, per_token) in self.budget.lines.items()}}
+                "lines": self._lines()}
 
     def plan(self, n: int, static: float):
         from fm_parallel.trainer.memory import MemoryPlan, plan_memory
@@ -122,7 +169,7 @@ class Planner:
         if self.budget is None:
             return MemoryPlan(n, self.every or 1, self.offload or 0, 0, 0)
         return plan_memory(n, layers=self.layers, hidden=self.hidden, itemsize=self.itemsize,
-                           static_bytes=static, budget=self.budget, device_budget=self.device_budget,
+                           static_bytes=static + self.extra, budget=self.budget, device_budget=self.device_budget,
                            host_budget=self.host_budget, every=self.every, offload_layers=self.offload)
 
 
@@ -133,7 +180,7 @@ def _step(model, impl: str, n: int, device, args, peaks=None) -> float:
     from fm_parallel import masks
     from fm_parallel.trainer.capacity import measured_loss
 
-    host_mask = masks.document(masks.sample_lengths(n))
+    host_mask = masks.document(masks.sample_lengths(n, DOC_MEAN))
     pairs = int(host_mask.visible_pairs().sum())
     mask = host_mask.to(device)
     vocab = model.get_base_model().config.vocab_size
@@ -239,7 +286,11 @@ def run(shape: str, impl: str, device, args) -> dict:
         return row
 
     calibration = None
-    if cuda and (planner.every is None or planner.offload is None):
+    if cuda and (planner.every is None or planner.offload is None) and not args.calibrate:
+        longest = max([*(args.lengths or [args.max]), args.profile or 0, args.memory_breakdown or 0])
+        calibration = planner.measure_layer(_config(shape, impl, args), device, s["vocab"], longest)
+        print(json.dumps({"model": shape, "impl": impl, **calibration}), flush=True)
+    elif cuda and (planner.every is None or planner.offload is None):
         measured = {}
         for n in args.calibrate:
             row = attempt(n, 1, -1)
@@ -569,8 +620,11 @@ def main() -> None:
                         help="layers whose checkpoint lives on the host: auto (planned: just enough to fit), -1 (all) or a count")
     parser.add_argument("--checkpoint-every", default="auto",
                         help="layers per checkpoint: auto (planned: the least recompute that fits) or a count")
-    parser.add_argument("--calibrate", nargs=2, type=int, default=[16384, 32768], metavar=("N1", "N2"),
-                        help="the two lengths whose steps (every checkpoint on the host) measure the memory budget")
+    parser.add_argument("--calibrate", nargs=2, type=int, default=None, metavar=("N1", "N2"),
+                        help="measure the memory plan's budget with two steps of the whole model at these lengths "
+                             "(every checkpoint on the host), as the figures before 2026-12-07 were made; default: "
+                             "one decoder layer measured as the trainer's plan measures it (at 131072 and 262144 "
+                             "tokens with the default chunks; shorter for shorter lengths)")
     parser.add_argument("--lengths", nargs="+", type=int, default=None,
                         help="try exactly these lengths, each planned directly (no doubling search); a length "
                              "given twice in a row runs a second, warm step (pinned host buffers and compiled "

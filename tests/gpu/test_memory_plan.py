@@ -75,3 +75,22 @@ def test_the_trainers_plan_holds_its_steps(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "memory_gib" in r]
     assert len(steps) == 2 and all(r["memory_gib"] <= r["planned_gib"] for r in steps), steps
+
+
+@needs_cuda
+def test_the_scripts_default_plan_measures_one_layer_and_holds(tmp_path):
+    """``max_context.py`` without ``--calibrate``: its plan measures one layer as the trainer's does
+    (``capacity.measure_layer_budget``), and the length asked peaks at or under the plan (no ``plan
+    missed`` warning)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "bench" / "max_context.py"), "--models", "tiny", "--impls", "flashmask",
+         "--device", "cuda", "--tile-chunk", "4096", "--attention-chunk", "8192", "--loss-chunk", "4096",
+         "--lengths", "65536", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert '"calibration": "measured on one layer at 16384 and 32768 tokens"' in out, out[-4000:]
+    assert "plan missed" not in out, out[-4000:]
+    row = json.loads((tmp_path / "max_context.jsonl").read_text().splitlines()[0])
+    assert row["fits"] and row["peak_gib"] <= row["planned_device_gib"], row
