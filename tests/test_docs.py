@@ -197,6 +197,16 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
     ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_1m.toml --training.steps 2"):
         Skip(GPU, "8B model at 1M tokens, two steps with the plan counting each phase's held inputs (run on the H100, "
                   "2026-12-06)"),
+    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --start 524288 --max 524288 "
+                             "--calibrate 16384 32768"):
+        Skip(GPU, "8B model planned from the old default's two short steps at 512k (run on the H100, 2026-12-06, "
+                  "without --calibrate, then its default)"),
+    **{("docs/long-context.md", f"python -m fm_parallel.launch --config launch/configs/h200_8b_1m.toml {length}--training.steps "
+                                f"{steps} --output.dir /tmp/{out}"):
+       Skip(GPU, f"8B model at {out[1:]} tokens, the plan with its margin asked directly, {steps} steps (run on the H100, "
+                 "2026-12-06)")
+       for length, steps, out in (("--data.seq_len 262144 ", 3, "r256"), ("--data.seq_len 524288 ", 2, "r512"),
+                                  ("", 2, "r1m"))},
     ("docs/long-context.md", "python launch/bench/one_layer_input.py --config launch/configs/h200_8b_1m.toml"):
         Skip(GPU, "the plan's one-layer lines at the 1M config's lengths, three inputs (its predecessor run on the H100, "
                   "2026-12-06; its wiring tested on the CPU in tests/trainer/test_memory_plan.py)"),
