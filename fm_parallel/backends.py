@@ -144,9 +144,17 @@ def log_once(key: str, message: str) -> None:
         log.warning(message)
 
 
+def _assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without its ``import torch._dynamo`` (1.1 s of every
+    interpreter that imports fm_parallel, each spawned rank's too, where nothing is compiled): the
+    same mark torch's decorator sets (tests/test_backends.py checks that they agree)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # Under torch.compile the choice is made once while tracing and baked into the graph (it depends only
 # on the requested name, the device, the dtype / dims and the installed packages).
-@torch.compiler.assume_constant_result
+@_assume_constant_result
 def resolve(impl: str | None, device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None,
             value_dim: int | None = None, deterministic: bool = False, chunked: bool = False) -> str:
     """The backend name ``impl`` means for tensors on ``device`` (of ``dtype`` and head dims, when given).

@@ -36,3 +36,22 @@ def test_context_parallel_refuses_an_unknown_kernel_name_when_built():
     with pytest.raises(ValueError, match=r"impl: expected one of \('auto', 'cute', 'triton', 'torch', 'dense'\), got 'fa3'"):
         ContextParallel("ring", shard(8, 2, "contiguous"), impl="fa3")
     assert ContextParallel("ring", shard(8, 2, "contiguous"), impl="auto").impl == "auto"
+
+
+def test_resolve_is_marked_a_constant_result_as_torch_marks_one_and_import_loads_no_dynamo():
+    """``resolve`` is baked into compiled graphs (torch.compile runs it once while tracing): its mark is
+    the one ``torch.compiler.assume_constant_result`` sets (the fullgraph compile in
+    tests/kernels/test_triton.py relies on it), set without importing ``torch._dynamo``, which cost
+    every interpreter importing fm_parallel 1.1 s (every spawned rank of the suite included)."""
+    import subprocess
+    import sys
+
+    def plain():
+        return 0
+
+    marked = torch.compiler.assume_constant_result(plain)
+    assert marked is plain and vars(plain) and set(vars(plain)) <= set(vars(backends.resolve))
+    assert all(getattr(backends.resolve, k) == v for k, v in vars(plain).items())
+    code = "import sys, fm_parallel, fm_parallel.distributed, fm_parallel.trainer.loop; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stdout + out.stderr
