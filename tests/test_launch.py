@@ -189,7 +189,7 @@ def test_max_context_plans_from_one_layer_measured_as_the_trainer_does():
     """Without --calibrate the script's plan measures one decoder layer where the trainer's plan does
     (``capacity.measured_lengths``: 131k and 262k tokens with the default chunks), through the same
     ``capacity.measure_layer_budget``. Its old default, two whole-model steps at 16k and 32k (below
-    the tiled layer's chunks), gave the layers' backward 69 KiB per token on the H100 (2026-12-07,
+    the tiled layer's chunks), gave the layers' backward 69 KiB per token on the H100 (2026-12-06,
     docs/benchmarks/max_context_runs/8b_h100_512k_16k_calibration.jsonl): it planned 72.0 GiB for a
     512k step that peaked at 59.1, and refused 1M ("needs 102.8 GiB"), which the trainer ran at
     66.2 GiB. The one layer (32 KiB per token, the H100's line) plans 1M. A layer that runs out of

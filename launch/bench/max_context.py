@@ -102,7 +102,7 @@ class Planner:
     decoder layer as the trainer's plan does (``fm_parallel.trainer.capacity.measure_layer_budget`` at
     ``measured_lengths``): a line ``fixed + per_token * n`` per phase (``StepBudget``); with
     ``--calibrate``, ``calibrate`` fits those lines through two short steps' peaks of the whole model
-    with every checkpoint on the host, phase by phase (how the figures before 2026-12-07 were made:
+    with every checkpoint on the host, phase by phase (how the figures in docs/long-context.md were made:
     below the tiled layer's chunks such steps overstate the per-token line, twice over at 16k and 32k).
     Each length is planned on the phase that needs the most there. ``every`` / ``offload``: None to
     plan, else fixed. Without a GPU nothing is planned (no device budget): the fixed values, or a
@@ -622,7 +622,7 @@ def main() -> None:
                         help="layers per checkpoint: auto (planned: the least recompute that fits) or a count")
     parser.add_argument("--calibrate", nargs=2, type=int, default=None, metavar=("N1", "N2"),
                         help="measure the memory plan's budget with two steps of the whole model at these lengths "
-                             "(every checkpoint on the host), as the figures before 2026-12-07 were made; default: "
+                             "(every checkpoint on the host), as the figures in docs/long-context.md were made; default: "
                              "one decoder layer measured as the trainer's plan measures it (at 131072 and 262144 "
                              "tokens with the default chunks; shorter for shorter lengths)")
     parser.add_argument("--lengths", nargs="+", type=int, default=None,
