@@ -73,7 +73,7 @@ def _launch(nproc: int, argv: list[str]) -> int:
     """Check the configuration here, then start ``nproc`` ranks of this command; the exit status."""
     from fm_parallel.trainer.config import check_before_start, load_config
 
-    check_before_start(load_config(argv))  # a ConfigError ends it here, before any rank exists (caught by main)
+    check_before_start(load_config(argv), nproc)  # a ConfigError ends it here, before any rank exists (caught by main)
     if "OMP_NUM_THREADS" not in os.environ:
         threads = threads_per_process(nproc)
         os.environ["OMP_NUM_THREADS"] = str(threads)  # what each rank inherits (torchrun would print a banner)

@@ -312,10 +312,14 @@ def _head_dim(cfg: Config) -> int | None:
         return None  # a missing or odd folder is the trainer's preflight to name
 
 
-def check_before_start(cfg: Config) -> None:
+def check_before_start(cfg: Config, local_processes: int | None = None) -> None:
     """What can be refused before any process group, directory or model exists: the kernel against
     the device and dtype the run will use (``parallel.impl``), ``model.offload_layers`` against the
-    built Llama's layers. Raises :class:`ConfigError`, the same on every rank."""
+    built Llama's layers, and on a CPU the model and its checkpoints against the host's memory
+    (``capacity.check_host_memory``, for ``local_processes`` on this host: ``LOCAL_WORLD_SIZE``, else
+    1). Raises :class:`ConfigError`, the same on every rank."""
+    import os
+
     import torch
 
     cuda = torch.cuda.is_available()
@@ -336,6 +340,10 @@ def check_before_start(cfg: Config) -> None:
         raise ConfigError(f"model.checkpoint_every: expected 1..{m.layers} (model.layers), got {m.checkpoint_every}")
     if not m.activation_checkpointing and m.checkpoint_every != 1:
         raise ConfigError(f"model.checkpoint_every: expected 1 without activation checkpointing, got {m.checkpoint_every}")
+    if not cuda:
+        from fm_parallel.trainer.capacity import check_host_memory
+
+        check_host_memory(cfg, local_processes or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
 
 
 def describe() -> str:

@@ -183,3 +183,82 @@ def test_the_step_flops_of_the_8b_shape():
     assert tiled.attention == 32 * 32 * 4 * 128 * 5000 * 4.5  # forward, recomputed forward, backward (2.5x)
     assert step_flops(c, 1000, 0, tiled=True, checkpoint_every=2).linear == 1000 * (32 * (q_and_kv * 5 + (layer - q_and_kv) * 4) + head * 3)
     assert peak_tflops("NVIDIA H200") == 989.0 and peak_tflops("a CPU") is None
+
+
+def test_decoder_parameters_are_the_built_llamas_less_embeddings_and_head():
+    """The count the CPU's host-memory check uses, against transformers' own Llama of that shape."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fm_parallel.trainer.capacity import decoder_parameters
+
+    for shape in (dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128),
+                  dict(hidden=96, layers=3, heads=6, kv_heads=6, intermediate=200)):
+        with torch.device("meta"):
+            model = LlamaForCausalLM(LlamaConfig(vocab_size=258, hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
+                                                 num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+                                                 intermediate_size=shape["intermediate"]))
+        outside = model.model.embed_tokens.weight.numel() + model.lm_head.weight.numel()
+        assert decoder_parameters(**shape) == sum(p.numel() for p in model.parameters()) - outside
+    assert round(decoder_parameters(4096, 32, 32, 8, 14336) / 1e9, 2) == 6.98  # the 8B shape less its embeddings
+
+
+@pytest.mark.parametrize("argv, total_gib, message", [
+    # the 8B shape at 1M on a 64 GiB host: 26 GiB of float32 weights, 32 checkpoints of 16 GiB
+    ((), 64, r"^data.seq_len: 1048576 tokens on the CPU \(no GPU here\) need at least 538.0 GiB of host memory \(1 process "
+             r"holding the decoder's 6.98 B parameters in float32, 26.0 GiB; 32 activation checkpoints of 1048576 x 4096 "
+             r"float32, 512.0 GiB\), more than this host's 64.0 GiB: run it on a GPU, or with a shorter data.seq_len$"),
+    (("--model.checkpoint_every", "4", "--model.memory_plan", "fixed"), 64, r"need at least 154.0 GiB .* 8 activation checkpoints"),
+    (("--model.dtype", "bfloat16", "--data.seq_len", "4096"), 12, r"^model: 4096 tokens .* need at least 14.0 GiB .* in bfloat16, 13.0 GiB"),
+    (("--data.seq_len", "4096"), 60, None),  # 28 GiB: fits
+])
+def test_a_cpu_run_beyond_the_hosts_memory_is_refused_naming_both(argv, total_gib, message):
+    from fm_parallel.trainer.capacity import check_host_memory
+    from fm_parallel.trainer.config import ConfigError
+
+    cfg = _cfg("--data.seq_len", "1048576", *argv)
+    if message is None:
+        check_host_memory(cfg, total=total_gib * GIB)
+        with pytest.raises(ConfigError, match=r"3 processes, each holding"):  # three local ranks: the weights thrice
+            check_host_memory(cfg, local_processes=3, total=total_gib * GIB)
+        return
+    with pytest.raises(ConfigError, match=message):
+        check_host_memory(cfg, total=total_gib * GIB)
+
+
+def test_a_model_path_is_counted_from_its_config(tmp_path):
+    import json
+
+    from fm_parallel.trainer.capacity import check_host_memory
+    from fm_parallel.trainer.config import ConfigError
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                                                      "num_key_value_heads": 8, "intermediate_size": 14336}))
+    cfg = _cfg("--model.path", str(tmp_path), "--data.seq_len", "8192")
+    with pytest.raises(ConfigError, match=r"^model: .* 6.98 B parameters in float32"):
+        check_host_memory(cfg, total=16 * GIB)
+    check_host_memory(cfg, total=64 * GIB)
+    check_host_memory(_cfg("--model.path", str(tmp_path / "missing")), total=GIB)  # the preflight names a bad folder
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is the CPU's (a GPU run plans on the GPU)")
+def test_the_1m_config_on_a_cpu_is_refused_at_once_through_the_launcher(tmp_path):
+    """The documented GPU command run on a machine without one: one line naming what it needs, exit
+    status 2, nothing written (it used to build the 8B model for minutes and die out of memory)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fm_parallel.trainer.capacity import host_memory_bytes
+
+    if host_memory_bytes() > 538 * GIB:
+        pytest.skip("this host holds the 8B shape's 1M checkpoints")
+    root = Path(__file__).resolve().parents[2]
+    for nproc, need in (([], "538.0"), (["--nproc_per_node", "2"], "564.0")):  # 2 ranks: the weights twice
+        proc = subprocess.run([sys.executable, "-m", "fm_parallel.launch", *nproc, "--config", "launch/configs/h200_8b_1m.toml",
+                               "--output.dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300, cwd=root)
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+        # model: where the weights alone are more than this host has; data.seq_len: where the checkpoints make it so
+        assert re.search(r"^error: (model|data.seq_len): 1048576 tokens on the CPU \(no GPU here\) need at least " + need + " GiB",
+                         proc.stderr, re.M), proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
