@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = [sys.executable, str(ROOT / "launch" / "bench" / "run.py")]
@@ -77,3 +78,20 @@ def test_the_cpu_suite_runs_end_to_end_and_writes_json_table_and_plot(tmp_path):
     assert all(r["time_ms"] > 0 and "peak_mib" in r for r in data["rows"])
     assert (tmp_path / "cpu_attention.png").stat().st_size > 0
     assert "| docs512 | 256 | fwd |" in (tmp_path / "cpu_attention.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+@pytest.mark.parametrize("script, on_a_cpu", [
+    ("max_context.py", "on a CPU pass --device cpu"),
+    ("train_context.py", "on a CPU pass --device cpu"),  # its trainer fell back to the CPU: rows of the wrong device
+    ("cp_scaling.py", "on a CPU pass --device cpu (gloo)"),
+    ("cp_layer_cost.py", "launch/bench/ring_cpu.py"),
+])
+def test_the_gpu_scripts_refuse_their_default_device_without_cuda(script, on_a_cpu):
+    """A script's default ``--device cuda`` on a machine without one: status 2 and one line saying
+    what to run instead, not a traceback from inside torch (or a trainer silently on the CPU)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / script)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"{script}: error: --device cuda: expected a CUDA device" in proc.stderr and on_a_cpu in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -29,11 +29,11 @@ from typing import Callable
 import torch
 
 from fm_parallel.trainer.config import Config, ConfigError
-from fm_parallel.trainer.memory import GIB, MemoryPlan, MemoryPlanError, StepBudget, plan_memory
+from fm_parallel.trainer.memory import GIB, MemoryPlan, MemoryPlanError, StepBudget, host_memory_bytes, plan_memory
 
 __all__ = ["PHASES", "PhasePeaks", "plan_run", "LayerBudget", "measure_layer_budget", "measure_one_layer",
            "measured_lengths", "dropped_gradient_input",
-           "measured_loss", "worst_case_mask", "host_memory_bytes", "check_host_memory", "decoder_parameters"]
+           "measured_loss", "worst_case_mask", "host_memory_bytes"]
 
 PHASES = ("forward", "loss_backward", "layers_backward", "optimizer")
 
@@ -120,80 +120,6 @@ def measured_loss(model, ids: torch.Tensor, labels: torch.Tensor, mask, loss_chu
     if peaks is not None:
         peaks.watch(h)
     return chunked_cross_entropy(model.get_base_model().lm_head, h, labels, loss_chunk)
-
-
-def host_memory_bytes() -> int:
-    """The host's memory (``MemTotal``), 0 where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def decoder_parameters(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
-                       head_dim: int | None = None) -> int:
-    """The parameters of a Llama decoder's ``layers`` (q / k / v / o projections, the gated MLP's three,
-    two norms) and its final norm: the model's, less its embeddings and head."""
-    d = head_dim or hidden // heads
-    per_layer = 2 * hidden * heads * d + 2 * hidden * kv_heads * d + 3 * hidden * intermediate + 2 * hidden
-    return layers * per_layer + hidden
-
-
-def _decoder_shape(cfg: Config) -> dict | None:
-    """The decoder's shape for :func:`decoder_parameters`: the built Llama's, or ``model.path``'s
-    config.json (None where it cannot be read: the trainer's preflight names a bad folder)."""
-    m = cfg.model
-    if not m.path:
-        return dict(hidden=m.hidden_size, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
-                    intermediate=m.intermediate_size)
-    import json
-    from pathlib import Path
-
-    try:
-        hf = json.loads((Path(m.path) / "config.json").read_text())
-        hf = hf.get("text_config", hf)
-        return dict(hidden=int(hf["hidden_size"]), layers=int(hf["num_hidden_layers"]),
-                    heads=int(hf["num_attention_heads"]),
-                    kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
-                    intermediate=int(hf["intermediate_size"]), head_dim=hf.get("head_dim"))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def check_host_memory(cfg: Config, local_processes: int = 1, total: int | None = None) -> None:
-    """A run on the CPU (no GPU here) whose decoder parameters and activation checkpoints alone exceed
-    the host's memory (``MemTotal``, or ``total`` bytes) is refused with a :class:`ConfigError` naming
-    both, before anything is built: else a GPU config run on a CPU (``h200_8b_1m.toml``) builds the
-    model for minutes and dies out of memory. A lower bound, the same on every rank: each of the
-    ``local_processes`` holds the parameters (float32 under ``model.dtype = "auto"``), the
-    sequence's checkpoints are held once in all (a checkpoint per ``model.checkpoint_every`` layers,
-    every layer's input without checkpointing; a CPU plan keeps one per layer); the embeddings, the
-    head and the layers' own activations come on top."""
-    shape = _decoder_shape(cfg)
-    total = host_memory_bytes() if total is None else total
-    if shape is None or not total:
-        return
-    m = cfg.model
-    itemsize = {"auto": 4, "float32": 4, "bfloat16": 2, "float64": 8}[m.dtype]
-    params = decoder_parameters(**shape)
-    every = 1 if not m.activation_checkpointing or m.memory_plan == "auto" else m.checkpoint_every
-    kept = -(-shape["layers"] // every)
-    n, hidden = cfg.data.seq_len, shape["hidden"]
-    weights, checkpoints = local_processes * params * itemsize, kept * n * hidden * itemsize
-    if weights + checkpoints <= total:
-        return
-    dtype = {2: "bfloat16", 4: "float32", 8: "float64"}[itemsize]
-    each = f"{local_processes} processes, each" if local_processes > 1 else "1 process"
-    key, fix = ("model", "a smaller model") if weights > total else ("data.seq_len", "a shorter data.seq_len")
-    raise ConfigError(
-        f"{key}: {n} tokens on the CPU (no GPU here) need at least {(weights + checkpoints) / GIB:.1f} GiB of "
-        f"host memory ({each} holding the decoder's {params / 1e9:.2f} B parameters in {dtype}, "
-        f"{params * itemsize / GIB:.1f} GiB; {kept} activation checkpoints of {n} x {hidden} {dtype}, "
-        f"{checkpoints / GIB:.1f} GiB), more than this host's {total / GIB:.1f} GiB: run it on a GPU, or with {fix}")
 
 
 def worst_case_mask(cfg: Config, n: int):

@@ -28,7 +28,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-__all__ = ["Config", "ConfigError", "load_config", "describe", "check_before_start"]
+__all__ = ["Config", "ConfigError", "load_config", "describe", "check_before_start", "check_host_memory"]
 
 
 class ConfigError(ValueError):
@@ -316,7 +316,7 @@ def check_before_start(cfg: Config, local_processes: int | None = None) -> None:
     """What can be refused before any process group, directory or model exists: the kernel against
     the device and dtype the run will use (``parallel.impl``), ``model.offload_layers`` against the
     built Llama's layers, and on a CPU the model and its checkpoints against the host's memory
-    (``capacity.check_host_memory``, for ``local_processes`` on this host: ``LOCAL_WORLD_SIZE``, else
+    (:func:`check_host_memory`, for ``local_processes`` on this host: ``LOCAL_WORLD_SIZE``, else
     1). Raises :class:`ConfigError`, the same on every rank."""
     import os
 
@@ -341,9 +341,61 @@ def check_before_start(cfg: Config, local_processes: int | None = None) -> None:
     if not m.activation_checkpointing and m.checkpoint_every != 1:
         raise ConfigError(f"model.checkpoint_every: expected 1 without activation checkpointing, got {m.checkpoint_every}")
     if not cuda:
-        from fm_parallel.trainer.capacity import check_host_memory
-
         check_host_memory(cfg, local_processes or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+
+
+def _decoder_shape(cfg: Config) -> dict | None:
+    """The decoder's shape (``memory.decoder_parameters``' arguments): the built Llama's, or
+    ``model.path``'s config.json (None where it cannot be read: the trainer's preflight names a bad folder)."""
+    m = cfg.model
+    if not m.path:
+        return dict(hidden=m.hidden_size, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
+                    intermediate=m.intermediate_size)
+    import json
+
+    try:
+        hf = json.loads((Path(m.path) / "config.json").read_text())
+        hf = hf.get("text_config", hf)
+        return dict(hidden=int(hf["hidden_size"]), layers=int(hf["num_hidden_layers"]),
+                    heads=int(hf["num_attention_heads"]),
+                    kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
+                    intermediate=int(hf["intermediate_size"]), head_dim=hf.get("head_dim"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_host_memory(cfg: Config, local_processes: int = 1, total: int | None = None) -> None:
+    """A run on the CPU (no GPU here) whose decoder parameters and activation checkpoints alone exceed
+    the host's memory (``MemTotal``, or ``total`` bytes) is refused with a :class:`ConfigError` naming
+    both, before anything is built: else a GPU config run on a CPU (``h200_8b_1m.toml``) builds the
+    model for minutes and dies out of memory. A lower bound, the same on every rank: each of the
+    ``local_processes`` holds the parameters (float32 under ``model.dtype = "auto"``), the
+    sequence's checkpoints are held once in all (a checkpoint per ``model.checkpoint_every`` layers,
+    every layer's input without checkpointing; a CPU plan keeps one per layer); the embeddings, the
+    head and the layers' own activations come on top."""
+    from fm_parallel.trainer.memory import GIB, decoder_parameters, host_memory_bytes
+
+    shape = _decoder_shape(cfg)
+    total = host_memory_bytes() if total is None else total
+    if shape is None or not total:
+        return
+    m = cfg.model
+    itemsize = {"auto": 4, "float32": 4, "bfloat16": 2, "float64": 8}[m.dtype]
+    params = decoder_parameters(**shape)
+    every = 1 if not m.activation_checkpointing or m.memory_plan == "auto" else m.checkpoint_every
+    kept = -(-shape["layers"] // every)
+    n, hidden = cfg.data.seq_len, shape["hidden"]
+    weights, checkpoints = local_processes * params * itemsize, kept * n * hidden * itemsize
+    if weights + checkpoints <= total:
+        return
+    dtype = {2: "bfloat16", 4: "float32", 8: "float64"}[itemsize]
+    each = f"{local_processes} processes, each" if local_processes > 1 else "1 process"
+    key, fix = ("model", "a smaller model") if weights > total else ("data.seq_len", "a shorter data.seq_len")
+    raise ConfigError(
+        f"{key}: {n} tokens on the CPU (no GPU here) need at least {(weights + checkpoints) / GIB:.1f} GiB of "
+        f"host memory ({each} holding the decoder's {params / 1e9:.2f} B parameters in {dtype}, "
+        f"{params * itemsize / GIB:.1f} GiB; {kept} activation checkpoints of {n} x {hidden} {dtype}, "
+        f"{checkpoints / GIB:.1f} GiB), more than this host's {total / GIB:.1f} GiB: run it on a GPU, or with {fix}")
 
 
 def describe() -> str:

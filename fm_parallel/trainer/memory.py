@@ -24,7 +24,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["CheckpointPolicy", "HostOffload", "MemoryPlan", "MemoryPlanError", "StepBudget", "checkpoint_layers",
-           "decoder_layers", "inputs_held", "plan_memory", "prefer_expandable_segments"]
+           "decoder_layers", "decoder_parameters", "host_memory_bytes", "inputs_held", "plan_memory",
+           "prefer_expandable_segments"]
 
 ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
@@ -322,6 +323,27 @@ class StepBudget:
         fixed, per_token = self.lines[phase]
         return (f"{per_token / 2**10:.0f} KiB per token beyond the checkpoints and {MARGIN_PER_TOKEN / 2**10:.0f} KiB "
                 f"of margin, {(static_bytes + fixed) / GIB:.1f} GiB fixed")
+
+
+def host_memory_bytes() -> int:
+    """The host's memory (``MemTotal``), 0 where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def decoder_parameters(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
+                       head_dim: int | None = None) -> int:
+    """The parameters of a Llama decoder's ``layers`` (q / k / v / o projections, the gated MLP's three,
+    two norms) and its final norm: the model's, less its embeddings and head."""
+    d = head_dim or hidden // heads
+    per_layer = 2 * hidden * heads * d + 2 * hidden * kv_heads * d + 3 * hidden * intermediate + 2 * hidden
+    return layers * per_layer + hidden
 
 
 def plan_shortfall(plan: MemoryPlan | None, peak_bytes: float) -> str | None:

@@ -61,7 +61,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from launch.bench.harness import DTYPES, spread  # noqa: E402
+from launch.bench.harness import DTYPES, check_device, spread  # noqa: E402
 
 if TYPE_CHECKING:
     from fm_parallel.masks import FlashMask
@@ -481,7 +481,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "what the recorded launches save")
     parser.add_argument("--max-seconds", type=float, default=480.0, help="stop starting new configurations after this")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_device(parser, args.device, "it times CUDA kernels (on a CPU: launch/bench/ring_cpu.py)")
+    return args
 
 
 @dataclass

@@ -34,7 +34,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from launch.bench.harness import DTYPES, error_line, init_ranks, spread  # noqa: E402
+from launch.bench.harness import DTYPES, check_device, error_line, init_ranks, spread  # noqa: E402
 
 
 
@@ -99,6 +99,7 @@ def main() -> None:
                         help="every rank on cuda:0, gloo, host-staged transfers (mechanics only: times are not NCCL's)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args()
+    check_device(parser, args.device, "on a CPU pass --device cpu (gloo)")
 
     from fm_parallel import backends, flashmask_attention
     from fm_parallel.distributed import RingStats, hybrid_attention, prepare, ring_attention, shard, ulysses_attention

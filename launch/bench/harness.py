@@ -3,6 +3,7 @@ the same way (BENCHMARKING.md).
 
 * :func:`spread`: repeated measurements summarised one way, min / median / max;
 * :func:`error_line`: a failure reported in a row (a peer that cannot run a case, a step out of memory);
+* :func:`check_device`: ``--device cuda`` refused at once on a machine without one;
 * :func:`init_ranks`, :data:`DTYPES`: the process group of the multi-rank scripts (cp_scaling.py,
   tests/gpu/multi_gpu.py) under torchrun, and the ``--dtype`` names;
 * :func:`throughput_vs_length`: the throughput-against-length plot of the training benchmarks
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-__all__ = ["spread", "error_line", "DTYPES", "init_ranks", "throughput_vs_length"]
+__all__ = ["spread", "error_line", "check_device", "DTYPES", "init_ranks", "throughput_vs_length"]
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -41,6 +42,15 @@ def error_line(e: BaseException, limit: int = 160) -> str:
     failed, short enough for a table cell; an exception with no message gives its type alone."""
     text = str(e)
     return f"{type(e).__name__}: {text.splitlines()[0][:limit] if text else ''}"
+
+
+def check_device(parser, device: str, on_a_cpu: str) -> None:
+    """``parser.error`` (exit status 2 under the script's usage line) where ``device`` names CUDA and
+    this machine has none: a traceback from deep in torch otherwise, or, for a script whose trainer
+    falls back to the CPU, rows measured on the wrong device. ``on_a_cpu``: what to run instead."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+        parser.error(f"--device {device}: expected a CUDA device, and {why}; {on_a_cpu}")
 
 
 # ------------------------------------------------------------------------------------------- ranks

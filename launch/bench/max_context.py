@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from launch.bench.harness import error_line  # noqa: E402
+from launch.bench.harness import check_device, error_line  # noqa: E402
 
 SHAPES = {
     "tiny": dict(hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128, vocab=258),
@@ -644,6 +644,8 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')}: expected auto or an integer, got {value!r}")
     if args.memory_breakdown is not None and args.memory_breakdown <= 0:
         parser.error(f"--memory-breakdown: expected a positive number of tokens, got {args.memory_breakdown}")
+    if not args.merge:
+        check_device(parser, args.device, "on a CPU pass --device cpu (a mechanics check: --models tiny --max 8192)")
     if args.memory_breakdown is not None and not args.merge and not args.device.startswith("cuda"):
         parser.error(f"--memory-breakdown: needs a CUDA --device (it reads the CUDA allocator's history), got --device {args.device}")
     cmd = "python launch/bench/max_context.py " + " ".join(sys.argv[1:])

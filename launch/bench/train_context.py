@@ -129,6 +129,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.nproc < 1 or args.steps < 1:
         parser.error(f"--nproc and --steps: expected positive counts, got {args.nproc} and {args.steps}")
+    from launch.bench.harness import check_device
+
+    check_device(parser, args.device, "on a CPU pass --device cpu")  # the trainer would run on the CPU unasked
 
     from max_context import search_longest
 

@@ -189,7 +189,7 @@ def test_decoder_parameters_are_the_built_llamas_less_embeddings_and_head():
     """The count the CPU's host-memory check uses, against transformers' own Llama of that shape."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fm_parallel.trainer.capacity import decoder_parameters
+    from fm_parallel.trainer.memory import decoder_parameters
 
     for shape in (dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128),
                   dict(hidden=96, layers=3, heads=6, kv_heads=6, intermediate=200)):
@@ -212,7 +212,7 @@ def test_decoder_parameters_are_the_built_llamas_less_embeddings_and_head():
     (("--data.seq_len", "4096"), 60, None),  # 28 GiB: fits
 ])
 def test_a_cpu_run_beyond_the_hosts_memory_is_refused_naming_both(argv, total_gib, message):
-    from fm_parallel.trainer.capacity import check_host_memory
+    from fm_parallel.trainer.config import check_host_memory
     from fm_parallel.trainer.config import ConfigError
 
     cfg = _cfg("--data.seq_len", "1048576", *argv)
@@ -228,7 +228,7 @@ def test_a_cpu_run_beyond_the_hosts_memory_is_refused_naming_both(argv, total_gi
 def test_a_model_path_is_counted_from_its_config(tmp_path):
     import json
 
-    from fm_parallel.trainer.capacity import check_host_memory
+    from fm_parallel.trainer.config import check_host_memory
     from fm_parallel.trainer.config import ConfigError
 
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -249,7 +249,7 @@ def test_the_1m_config_on_a_cpu_is_refused_at_once_through_the_launcher(tmp_path
     import sys
     from pathlib import Path
 
-    from fm_parallel.trainer.capacity import host_memory_bytes
+    from fm_parallel.trainer.memory import host_memory_bytes
 
     if host_memory_bytes() > 538 * GIB:
         pytest.skip("this host holds the 8B shape's 1M checkpoints")
