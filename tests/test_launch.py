@@ -235,9 +235,9 @@ def test_max_context_plans_from_one_layer_measured_as_the_trainer_does():
     plan = new.plan(1 << 20, 15.07 * GIB)
     assert (plan.every, plan.offload_layers) == (3, 27) and 66.2 < plan.device_bytes / GIB < 0.94 * 79.18
 
-    shorter = planner()  # measured_lengths for 2M: the same lengths; a layer out of memory there is halved
+    shorter = planner()  # a layer out of memory at the trainer's lengths is measured at half of them
     asked.clear()
-    cfg.model.attention_chunk = 262144  # two of each chunk: 524288 and 1M, out of memory in the stand-in
+    cfg.model.attention_chunk = 262144  # the trainer's lengths become 512k and 1M, out of memory in the stand-in
     report = shorter.measure_layer(cfg, torch.device("cpu"), 128256, 1 << 21, measure=measure)
     assert asked == [(524288, 1048576), (262144, 524288), (131072, 262144)]
     assert report["ran_out_of_memory_at"] == [[524288, 1048576], [262144, 524288]] and report["lengths"] == [131072, 262144]
