@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from fm_parallel.trainer.config import Config, ConfigError
+from fm_parallel.trainer.config import Config, ConfigError, model_dtype
 from fm_parallel.trainer.memory import GIB, MemoryPlan, MemoryPlanError, StepBudget, host_memory_bytes, plan_memory
 
 __all__ = ["PHASES", "PhasePeaks", "plan_run", "LayerBudget", "measure_layer_budget", "measure_one_layer",
@@ -282,7 +282,7 @@ def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
     # layer's own are in its measured peaks).
     constant = (got.static + (layers - 1) * got.layer + 2 * (layers - 1) * got.adapter
                 + 2 * layers * got.adapter)
-    itemsize = {"float32": 4, "float64": 8}.get(m.dtype, 2)
+    itemsize = model_dtype(cfg, cuda=True).itemsize
     try:
         plan = plan_memory(n, layers=layers, hidden=hidden, itemsize=itemsize, static_bytes=constant,
                            budget=got.budget, device_budget=device_budget, host_budget=host_budget)

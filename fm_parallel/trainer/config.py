@@ -28,7 +28,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-__all__ = ["Config", "ConfigError", "load_config", "describe", "check_before_start", "check_host_memory"]
+__all__ = ["Config", "ConfigError", "load_config", "describe", "check_before_start", "check_host_memory", "model_dtype"]
 
 
 class ConfigError(ValueError):
@@ -299,16 +299,34 @@ def _check_extras(cfg: Config) -> None:
                                   f"pip install 'fm_parallel[{extra}]', or set logging.{key} = false") from None
 
 
-def _head_dim(cfg: Config) -> int | None:
-    """The attention head size: the built Llama's, or ``model.path``'s config.json (None: unknown)."""
-    if not cfg.model.path:
-        return cfg.model.hidden_size // cfg.model.heads
+def model_dtype(cfg: Config, cuda: bool):
+    """The torch dtype of the model's weights (``model.dtype``; ``auto``: bfloat16 on a GPU, float32
+    on the CPU), as ``build_model`` makes them and the checks before the start count them."""
+    import torch
+
+    return {"auto": torch.bfloat16 if cuda else torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+            "float64": torch.float64}[cfg.model.dtype]
+
+
+def _path_config(cfg: Config) -> dict | None:
+    """``model.path``'s config.json (None where it cannot be read: the trainer's preflight names a bad folder)."""
     import json
 
     try:
         hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return hf if isinstance(hf, dict) else None
+
+
+def _head_dim(cfg: Config) -> int | None:
+    """The attention head size: the built Llama's, or ``model.path``'s config.json (None: unknown)."""
+    if not cfg.model.path:
+        return cfg.model.hidden_size // cfg.model.heads
+    hf = _path_config(cfg)
+    try:
         return int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"])
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+    except (AttributeError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None  # a missing or odd folder is the trainer's preflight to name
 
 
@@ -324,8 +342,7 @@ def check_before_start(cfg: Config, local_processes: int | None = None) -> None:
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
-             "float64": torch.float64}[cfg.model.dtype]
+    dtype = model_dtype(cfg, cuda)
     if cfg.model.attention == "flashmask":
         try:
             backends.resolve(cfg.parallel.impl or None, device, dtype, _head_dim(cfg))
@@ -351,16 +368,14 @@ def _decoder_shape(cfg: Config) -> dict | None:
     if not m.path:
         return dict(hidden=m.hidden_size, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
                     intermediate=m.intermediate_size)
-    import json
-
+    hf = _path_config(cfg)
     try:
-        hf = json.loads((Path(m.path) / "config.json").read_text())
         hf = hf.get("text_config", hf)
         return dict(hidden=int(hf["hidden_size"]), layers=int(hf["num_hidden_layers"]),
                     heads=int(hf["num_attention_heads"]),
                     kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
                     intermediate=int(hf["intermediate_size"]), head_dim=hf.get("head_dim"))
-    except (OSError, ValueError, KeyError, TypeError):
+    except (AttributeError, ValueError, KeyError, TypeError):
         return None
 
 
@@ -380,7 +395,8 @@ def check_host_memory(cfg: Config, local_processes: int = 1, total: int | None =
     if shape is None or not total:
         return
     m = cfg.model
-    itemsize = {"auto": 4, "float32": 4, "bfloat16": 2, "float64": 8}[m.dtype]
+    dtype = model_dtype(cfg, cuda=False)
+    itemsize = dtype.itemsize
     params = decoder_parameters(**shape)
     every = 1 if not m.activation_checkpointing or m.memory_plan == "auto" else m.checkpoint_every
     kept = -(-shape["layers"] // every)
@@ -388,7 +404,7 @@ def check_host_memory(cfg: Config, local_processes: int = 1, total: int | None =
     weights, checkpoints = local_processes * params * itemsize, kept * n * hidden * itemsize
     if weights + checkpoints <= total:
         return
-    dtype = {2: "bfloat16", 4: "float32", 8: "float64"}[itemsize]
+    dtype = str(dtype).removeprefix("torch.")
     each = f"{local_processes} processes, each" if local_processes > 1 else "1 process"
     key, fix = ("model", "a smaller model") if weights > total else ("data.seq_len", "a shorter data.seq_len")
     raise ConfigError(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from fm_parallel.trainer.config import Config, ConfigError
+from fm_parallel.trainer.config import Config, ConfigError, model_dtype
 from fm_parallel.trainer.data import load_tokenizer
 from fm_parallel.trainer.memory import checkpoint_layers
 from fm_parallel.trainer.tiling import tile_decoder_layers
@@ -122,8 +122,7 @@ def build_model(cfg: Config, vocab_size: int, device, save_base=None):
 
     device = torch.device(device)
     name = {"flashmask": fm_hf.register(), "sdpa": "sdpa", "flex": "flex_attention"}[cfg.model.attention]
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
-             "bfloat16": torch.bfloat16, "float64": torch.float64}[cfg.model.dtype]
+    dtype = model_dtype(cfg, device.type == "cuda")
     torch.manual_seed(cfg.training.seed)
     if cfg.model.path:
         base = AutoModelForCausalLM.from_pretrained(cfg.model.path, attn_implementation=name, torch_dtype=dtype, local_files_only=True)
