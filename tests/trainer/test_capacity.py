@@ -262,3 +262,11 @@ def test_the_1m_config_on_a_cpu_is_refused_at_once_through_the_launcher(tmp_path
         assert re.search(r"^error: (model|data.seq_len): 1048576 tokens on the CPU \(no GPU here\) need at least " + need + " GiB",
                          proc.stderr, re.M), proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()
+    # the README's form: torchrun starts the ranks, each counts the local processes (LOCAL_WORLD_SIZE) and refuses
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "launch/train.py",
+                           "--config", "launch/configs/h200_8b_1m.toml", "--output.dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode != 0
+    assert re.search(r"^error: (model|data.seq_len): 1048576 tokens on the CPU \(no GPU here\) need at least 564.0 GiB "
+                     r"of host memory \(2 processes, each", proc.stdout + proc.stderr, re.M), proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
