@@ -5,11 +5,17 @@ git-ignored FA4 pack recipe builds, e.g. ``/tmp/site``), for a machine where the
 It goes on ``sys.path`` (and on ``PYTHONPATH``, for the torchrun ranks these tests start) before any
 test imports the CuTe backend. Without it the installed ``[cute]`` extra is used, or the CuTe cases
 are skipped, saying so.
+
+Every test starts with the GPU memory earlier tests left behind given back (``release_gpu_memory``).
 """
 
 import os
 import sys
 from pathlib import Path
+
+import pytest
+
+from tests.gpu import release_gpu_memory
 
 site = os.environ.get("FM_FA4_SITE")
 if site:
@@ -20,3 +26,8 @@ if site:
     for folder in reversed(folders):
         sys.path.insert(0, str(folder))
     os.environ["PYTHONPATH"] = os.pathsep.join([*map(str, folders), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_of_earlier_tests_released():
+    release_gpu_memory()

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -176,6 +177,7 @@ def hybrid_expected_skips(mask, plan, mesh) -> int:
     return expected_skips(pair_counts(mask, ring_plan.positions), mesh.get_local_rank("ring"))
 
 
+@record  # the first rank's traceback goes into torchrun's summary, which the tests show when a run fails
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -186,9 +188,10 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
-    parser.add_argument("--masks", nargs="+", default=["causal", "docs", "docs_bidirectional", "dpo", "rm4",
-                                                       "sliding_sinks", "global_window", "prefix_lm"])
-    parser.add_argument("--balances", nargs="+", default=["contiguous", "zigzag", "mask"])
+    mask_names = ["causal", "docs", "docs_bidirectional", "dpo", "rm4", "sliding_sinks", "global_window", "prefix_lm"]
+    parser.add_argument("--masks", nargs="+", default=mask_names, choices=mask_names)
+    parser.add_argument("--balances", nargs="+", default=["contiguous", "zigzag", "mask"],
+                        choices=["contiguous", "zigzag", "mask"])
     parser.add_argument("--mask-on", default="host", choices=["host", "device"],
                         help="where the mask is prepared from: the loader's host copy (the trainer's path) or the device")
     parser.add_argument("--impls", nargs="+", default=["auto"],
