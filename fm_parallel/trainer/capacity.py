@@ -29,7 +29,8 @@ from typing import Callable
 import torch
 
 from fm_parallel.trainer.config import Config, ConfigError, model_dtype
-from fm_parallel.trainer.memory import GIB, MemoryPlan, MemoryPlanError, StepBudget, host_memory_bytes, plan_memory
+from fm_parallel.trainer.memory import (GIB, MemoryPlan, MemoryPlanError, StepBudget, gpu_memory_budget, host_memory_bytes,
+                                       plan_memory)
 
 __all__ = ["PHASES", "PhasePeaks", "plan_run", "LayerBudget", "measure_layer_budget", "measure_one_layer",
            "measured_lengths", "dropped_gradient_input",
@@ -274,8 +275,13 @@ def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
     n = cfg.data.seq_len // cp
     got = measure_layer_budget(cfg, device, vocab_size, measured_lengths(cfg, n), measure=measure, agree=agree)
     layers, hidden = _shape(cfg)
-    total = torch.cuda.get_device_properties(device).total_memory
-    device_budget = m.device_memory_gib * GIB if m.device_memory_gib else 0.94 * total
+    if m.device_memory_gib:
+        device_budget = m.device_memory_gib * GIB
+    else:
+        device_budget, elsewhere = gpu_memory_budget(device, 0.94)
+        if elsewhere:
+            say(f"memory plan: other processes hold {elsewhere / GIB:.1f} GiB of this GPU; the plan keeps within "
+                f"the {device_budget / GIB:.1f} GiB left (model.device_memory_gib sets it)")
     host_budget = m.host_memory_gib * GIB if m.host_memory_gib else 0.75 * host_memory_bytes()
     # The real model's static memory: the one-layer model's, L - 1 more layers, every adapter's AdamW
     # moments; and the other layers' adapter gradients, made during the layers' backward (the one

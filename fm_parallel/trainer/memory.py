@@ -337,6 +337,26 @@ def host_memory_bytes() -> int:
     return 0
 
 
+# This process's CUDA context and the kernels it loads: device memory in use that neither the allocator
+# nor another process holds (about 0.6 GiB on an H100 with torch 2.11); what a plan's fraction leaves over.
+CONTEXT_BYTES = GIB
+
+
+def gpu_memory_budget(device: torch.device, fraction: float) -> tuple[float, float]:
+    """What a memory plan may use on CUDA ``device``: ``fraction`` of its memory, less what other
+    processes hold there (another job, a notebook holding a model, ranks sharing the GPU).
+
+    Returns ``(budget, elsewhere)`` in bytes; ``elsewhere`` is the memory held outside this process
+    (``total - free - reserved by this allocator``, less ``CONTEXT_BYTES`` for this process's own context),
+    0 on a GPU this process has to itself. A plan of the whole GPU there would run out of memory
+    mid-step, after minutes of building and measuring."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    free, _ = torch.cuda.mem_get_info(device)
+    elsewhere = float(total - free - torch.cuda.memory_reserved(device) - CONTEXT_BYTES)
+    elsewhere = elsewhere if elsewhere >= GIB / 4 else 0.0  # below that: the context estimate's own error
+    return fraction * total - elsewhere, elsewhere
+
+
 def decoder_parameters(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
                        head_dim: int | None = None) -> int:
     """The parameters of a Llama decoder's ``layers`` (q / k / v / o projections, the gated MLP's three,

@@ -41,10 +41,20 @@ class _Device:
     type = "cuda"
 
 
+def _gpu(monkeypatch, total_gib: float, elsewhere_gib: float = 0.0, reserved_gib: float = 0.0):
+    """torch.cuda's memory for a stated device: this process's allocator holds ``reserved_gib`` and its CUDA
+    context 0.6 GiB; other processes ``elsewhere_gib``."""
+    total = total_gib * GIB
+    free = total - (0.6 + elsewhere_gib + reserved_gib) * GIB
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": total})())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: reserved_gib * GIB)
+
+
 @pytest.fixture
 def h200(monkeypatch):
-    """torch.cuda's memory for a stated 139 GiB device."""
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 139 * GIB})())
+    """torch.cuda's memory for a stated 139 GiB device, this process's alone."""
+    _gpu(monkeypatch, 139)
 
 
 @pytest.mark.parametrize("n, every, offload", [(262144, 1, 0), (524288, 1, 9), (1048576, 2, 16)])
@@ -64,6 +74,45 @@ def test_the_plan_at_each_length_asked_directly(h200, n, every, offload):
     assert (cfg.model.checkpoint_every, cfg.model.offload_layers) == (every, offload)
     assert plan.device_bytes <= 0.94 * 139 * GIB and plan.host_bytes <= 100 * GIB
     assert len(said) == 1 and said[0].startswith(f"memory plan: {n} tokens:")
+
+
+def test_the_device_budget_leaves_out_what_other_processes_hold(monkeypatch):
+    """94% of the GPU on a GPU this process has to itself, whatever its own allocator holds; less what
+    other processes hold (beyond this process's context), said once."""
+    from fm_parallel.trainer.memory import CONTEXT_BYTES, gpu_memory_budget
+
+    _gpu(monkeypatch, 139, reserved_gib=30)
+    assert gpu_memory_budget("cuda", 0.94) == (0.94 * 139 * GIB, 0.0)
+    _gpu(monkeypatch, 139, elsewhere_gib=0.5, reserved_gib=30)  # within the context estimate's error
+    assert gpu_memory_budget("cuda", 0.94) == (0.94 * 139 * GIB, 0.0)
+    _gpu(monkeypatch, 139, elsewhere_gib=60, reserved_gib=30)
+    budget, elsewhere = gpu_memory_budget("cuda", 0.94)
+    assert elsewhere == pytest.approx(60.6 * GIB - CONTEXT_BYTES) and budget == pytest.approx(0.94 * 139 * GIB - elsewhere)
+
+
+def test_the_plan_keeps_within_what_other_processes_leave(monkeypatch):
+    """512k on a 139 GiB GPU where another process holds 60 GiB: the plan the whole GPU gives (9 layers
+    offloaded, test above) would run out of memory; the plan keeps under what is left, and says why."""
+    from fm_parallel.trainer.capacity import plan_run
+
+    plans, said = {}, {}
+    for elsewhere in (0, 60):
+        _gpu(monkeypatch, 139, elsewhere_gib=elsewhere)
+        cfg = _cfg("--data.seq_len", "524288", "--model.host_memory_gib", "100")
+        said[elsewhere] = []
+        plans[elsewhere] = plan_run(cfg, _Device(), 128256, measure=_measured(40), say=said[elsewhere].append)
+    assert (plans[0].every, plans[0].offload_layers) == (1, 9) and len(said[0]) == 1
+    shared = plans[60]
+    assert shared.device_bytes <= (0.94 * 139 - 59.6) * GIB < plans[0].device_bytes
+    assert (shared.every, shared.offload_layers) != (1, 9)
+    assert said[60][0] == "memory plan: other processes hold 59.6 GiB of this GPU; the plan keeps within the 71.1 GiB " \
+                          "left (model.device_memory_gib sets it)"
+    assert len(said[60]) == 2 and said[60][1].startswith("memory plan: 524288 tokens:")
+    # a stated budget is the user's: nothing is said about other processes
+    cfg = _cfg("--data.seq_len", "524288", "--model.host_memory_gib", "100", "--model.device_memory_gib", "130")
+    stated = []
+    assert plan_run(cfg, _Device(), 128256, measure=_measured(40), say=stated.append) == plans[0]
+    assert len(stated) == 1
 
 
 def test_the_plan_takes_the_phase_that_needs_the_most_at_the_length_asked(h200):
