@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> None:
     if "OMP_NUM_THREADS" not in os.environ and "-h" not in argv and "--help" not in argv:
         import torch
 
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        from fm_parallel.trainer.config import processes_on_this_host
+
+        local = processes_on_this_host()
         threads = threads_per_process(local)
         torch.set_num_threads(threads)
         if os.environ.get("RANK", "0") == "0":

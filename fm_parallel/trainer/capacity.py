@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from fm_parallel.trainer.config import Config, ConfigError, model_dtype
+from fm_parallel.trainer.config import Config, ConfigError, model_dtype, processes_on_this_host
 from fm_parallel.trainer.memory import (GIB, MemoryPlan, MemoryPlanError, StepBudget, gpu_memory_budget, host_memory_bytes,
                                        plan_memory)
 
@@ -275,14 +275,15 @@ def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
     n = cfg.data.seq_len // cp
     got = measure_layer_budget(cfg, device, vocab_size, measured_lengths(cfg, n), measure=measure, agree=agree)
     layers, hidden = _shape(cfg)
-    if m.device_memory_gib:
-        device_budget = m.device_memory_gib * GIB
-    else:
-        device_budget, elsewhere = gpu_memory_budget(device, 0.94)
-        if elsewhere:
-            say(f"memory plan: other processes hold {elsewhere / GIB:.1f} GiB of this GPU; the plan keeps within "
-                f"the {device_budget / GIB:.1f} GiB left (model.device_memory_gib sets it)")
-    host_budget = m.host_memory_gib * GIB if m.host_memory_gib else 0.75 * host_memory_bytes()
+    device_budget, elsewhere = (m.device_memory_gib * GIB, 0.0) if m.device_memory_gib else gpu_memory_budget(device, 0.94)
+    host_budget = m.host_memory_gib * GIB if m.host_memory_gib else 0.75 * host_memory_bytes() / processes_on_this_host()
+    # Every rank plans alike, under the smallest budgets of any (a GPU shared with another job, hosts of
+    # other sizes): ranks with different plans would recompute, and so call the ring, in different orders.
+    lowest_device, lowest_host, elsewhere = (agree or _largest_over_ranks)([-device_budget, -host_budget, elsewhere])
+    device_budget, host_budget = -lowest_device, -lowest_host
+    if elsewhere:  # the most any rank's GPU has held by other processes
+        say(f"memory plan: other processes hold {elsewhere / GIB:.1f} GiB of this GPU; the plan keeps within "
+            f"the {device_budget / GIB:.1f} GiB left (model.device_memory_gib sets it)")
     # The real model's static memory: the one-layer model's, L - 1 more layers, every adapter's AdamW
     # moments; and the other layers' adapter gradients, made during the layers' backward (the one
     # layer's own are in its measured peaks).

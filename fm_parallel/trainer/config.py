@@ -77,8 +77,8 @@ class ModelConfig:
                                      "from the model's shape and one layer's memory measured at start, a length that "
                                      "cannot fit refused before the model is built", choices=("fixed", "auto"))
     device_memory_gib: float = _key(0.0, "memory_plan auto: GPU memory the plan aims under (0: 94% of the GPU's, less what other processes hold there)", low=0.0)
-    host_memory_gib: float = _key(0.0, "memory_plan auto: host memory the offloaded checkpoints may take (0: 75% of "
-                                       "the host's)", low=0.0)
+    host_memory_gib: float = _key(0.0, "memory_plan auto: host memory each process's offloaded checkpoints may take "
+                                       "(0: 75% of the host's, shared by the job's processes on it)", low=0.0)
     attention_chunk: int = _key(65536, "with tile_chunk: FlashMask attention of a tiled layer over query chunks of at "
                                        "most this many rows, cut between documents where possible (0: the whole "
                                        "sequence in one call)", low=0)
@@ -336,8 +336,6 @@ def check_before_start(cfg: Config, local_processes: int | None = None) -> None:
     built Llama's layers, and on a CPU the model and its checkpoints against the host's memory
     (:func:`check_host_memory`, for ``local_processes`` on this host: ``LOCAL_WORLD_SIZE``, else
     1). Raises :class:`ConfigError`, the same on every rank."""
-    import os
-
     import torch
 
     cuda = torch.cuda.is_available()
@@ -358,7 +356,14 @@ def check_before_start(cfg: Config, local_processes: int | None = None) -> None:
     if not m.activation_checkpointing and m.checkpoint_every != 1:
         raise ConfigError(f"model.checkpoint_every: expected 1 without activation checkpointing, got {m.checkpoint_every}")
     if not cuda:
-        check_host_memory(cfg, local_processes or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        check_host_memory(cfg, local_processes or processes_on_this_host())
+
+
+def processes_on_this_host() -> int:
+    """The job's processes on this host, which share its memory: torchrun's ``LOCAL_WORLD_SIZE``, else 1."""
+    import os
+
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
 
 
 def _decoder_shape(cfg: Config) -> dict | None:

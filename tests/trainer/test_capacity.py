@@ -319,3 +319,32 @@ def test_the_1m_config_on_a_cpu_is_refused_at_once_through_the_launcher(tmp_path
     assert re.search(r"^error: (model|data.seq_len): 1048576 tokens on the CPU \(no GPU here\) need at least 564.0 GiB "
                      r"of host memory \(2 processes, each", proc.stdout + proc.stderr, re.M), proc.stderr[-3000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_every_rank_plans_under_the_smallest_budgets_of_any(monkeypatch, h200):
+    """Ranks whose plans differ would recompute, and so call the ring, in different orders: each rank
+    plans under the job's smallest device and host budgets (here another rank's GPU has 60 GiB held by
+    another job), and the processes on one host share its memory (LOCAL_WORLD_SIZE)."""
+    from fm_parallel.trainer import capacity
+    from fm_parallel.trainer.capacity import plan_run
+    from fm_parallel.trainer.config import ConfigError
+
+    monkeypatch.setattr(capacity, "host_memory_bytes", lambda: 400 * GIB)
+    alone = plan_run(_cfg("--data.seq_len", "1048576"), _Device(), 128256, measure=_measured(40), say=lambda s: None)
+    budgets = []
+
+    def agree(values):  # the element-wise maximum with another rank's values: 60 GiB of its GPU taken
+        budgets.append(values)
+        if len(values) == 3:  # (-device budget, -host budget, held elsewhere)
+            return [max(values[0], -(0.94 * 139 - 59.6) * GIB), values[1], max(values[2], 59.6 * GIB)]
+        return values
+
+    said = []
+    plan = plan_run(_cfg("--data.seq_len", "1048576"), _Device(), 128256, measure=_measured(40), agree=agree, say=said.append)
+    assert budgets[-1] == [-0.94 * 139 * GIB, -300 * GIB, 0.0]  # this rank's own: 75% of 400 GiB, its GPU to itself
+    assert plan.device_bytes <= (0.94 * 139 - 59.6) * GIB < alone.device_bytes
+    assert said[0].startswith("memory plan: other processes hold 59.6 GiB of this GPU")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # a quarter of 75% of the host for each of 4 processes on it
+    with pytest.raises(ConfigError, match=r"72.0 GiB of host memory, this machine gives 71.1 GiB and 75.0 GiB"):
+        plan_run(_cfg("--data.seq_len", "1048576"), _Device(), 128256, measure=_measured(40), agree=agree, say=said.append)
+    assert budgets[-1][1] == -75 * GIB
