@@ -200,7 +200,11 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
     ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --start 524288 --max 524288 "
                              "--calibrate 16384 32768"):
         Skip(GPU, "8B model planned from the old default's two short steps at 512k (run on the H100, 2026-12-06, "
-                  "without --calibrate, then its default)"),
+                  "without --calibrate, then its default; again with the flag as written that night)"),
+    **{("docs/long-context.md", f"python launch/bench/max_context.py --models 8b --impls flashmask --lengths {n}"):
+       Skip(GPU, f"8B model at {n} tokens planned from one layer measured, max_context.py's default (run on the H100, "
+                 "2026-12-06 night; the first cut by a time limit after its 512k row)")
+       for n in ("524288 1048576", "1048576")},
     **{("docs/long-context.md", f"python -m fm_parallel.launch --config launch/configs/h200_8b_1m.toml {length}--training.steps "
                                 f"{steps} --output.dir /tmp/{out}"):
        Skip(GPU, f"8B model at {out[1:]} tokens, the plan with its margin asked directly, {steps} steps (run on the H100, "
