@@ -76,7 +76,8 @@ class ModelConfig:
     memory_plan: str = _key("fixed", "fixed: checkpoint_every and offload_layers as given | auto (GPU): both planned "
                                      "from the model's shape and one layer's memory measured at start, a length that "
                                      "cannot fit refused before the model is built", choices=("fixed", "auto"))
-    device_memory_gib: float = _key(0.0, "memory_plan auto: GPU memory the plan aims under (0: 94% of the GPU's, less what other processes hold there)", low=0.0)
+    device_memory_gib: float = _key(0.0, "memory_plan auto: GPU memory the plan aims under (0: 94% of the GPU's, less "
+                                         "what other processes hold there)", low=0.0)
     host_memory_gib: float = _key(0.0, "memory_plan auto: host memory each process's offloaded checkpoints may take "
                                        "(0: 75% of the host's, shared by the job's processes on it)", low=0.0)
     attention_chunk: int = _key(65536, "with tile_chunk: FlashMask attention of a tiled layer over query chunks of at "

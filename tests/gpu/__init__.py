@@ -31,8 +31,9 @@ def release_gpu_memory() -> None:
     does not hold. Two things hold memory after a test ends: the caching allocator keeps what the test
     freed (about 68 GiB after ``test_wide.py``), and a test that failed keeps its tensors alive through
     ``sys.last_traceback`` (pytest's post-mortem hook) until the next test's body starts. On an H100
-    (80 GB) the 4 shared-GPU ranks of ``test_multi_gpu.py`` then ran out of memory at 131k after
-    ``test_wide.py``, which no test run alone shows.
+    (80 GB), with ``test_wide.py``'s 68 GiB still held, the 4 shared-GPU ranks of ``test_multi_gpu.py``
+    stopped at their first 131k case (most likely for want of memory; the traceback was cut), which no
+    test run alone shows.
     """
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, name):
