@@ -332,7 +332,8 @@ def _head_dim(cfg: Config) -> int | None:
 
 
 def check_before_start(cfg: Config, local_processes: int | None = None) -> None:
-    """What can be refused before any process group, directory or model exists: the kernel against
+    """What can be refused before any process group, directory or model exists: more processes on
+    this host than GPUs, the kernel against
     the device and dtype the run will use (``parallel.impl``), ``model.offload_layers`` against the
     built Llama's layers, and on a CPU the model and its checkpoints against the host's memory
     (:func:`check_host_memory`, for ``local_processes`` on this host: ``LOCAL_WORLD_SIZE``, else
@@ -340,6 +341,12 @@ def check_before_start(cfg: Config, local_processes: int | None = None) -> None:
     import torch
 
     cuda = torch.cuda.is_available()
+    local = local_processes or processes_on_this_host()
+    if cuda and local > torch.cuda.device_count():
+        # each rank takes cuda:LOCAL_RANK: a rank past the last GPU died on "invalid device ordinal"
+        # while the others waited for it in their first collective
+        raise ConfigError(f"--nproc_per_node: expected at most {torch.cuda.device_count()} processes on this host (one "
+                          f"GPU each; CUDA_VISIBLE_DEVICES sets which), got {local}")
     device = torch.device("cuda" if cuda else "cpu")
     dtype = model_dtype(cfg, cuda)
     if cfg.model.attention == "flashmask":
@@ -357,7 +364,7 @@ def check_before_start(cfg: Config, local_processes: int | None = None) -> None:
     if not m.activation_checkpointing and m.checkpoint_every != 1:
         raise ConfigError(f"model.checkpoint_every: expected 1 without activation checkpointing, got {m.checkpoint_every}")
     if not cuda:
-        check_host_memory(cfg, local_processes or processes_on_this_host())
+        check_host_memory(cfg, local)
 
 
 def processes_on_this_host() -> int:

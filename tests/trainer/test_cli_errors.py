@@ -62,3 +62,31 @@ def test_a_user_error_after_the_progress_bar_started_is_on_its_own_line(tmp_path
     assert "0/2" in err  # the bar was drawn first
     shown = [line for line in _shown_lines(err) if "error:" in line]
     assert shown == ["error: parallel.impl: refused inside a step"], repr(err[-2000:])
+
+
+@pytest.mark.parametrize("through", ["launcher", "rank"])
+def test_more_processes_than_gpus_are_refused_before_any_rank(tmp_path, monkeypatch, capsys, through):
+    """A host with one GPU asked for 2 processes: each rank takes cuda:LOCAL_RANK, and the second died
+    on "invalid device ordinal" while the first waited for it. Refused at once instead, naming the
+    flag: by the launcher before any rank starts, or by each torchrun rank (LOCAL_WORLD_SIZE) before
+    its process group, one line, status 2, nothing written. The GPU is stated (this runs on the CPU)."""
+    from fm_parallel import launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "run"
+    if through == "launcher":
+        argv = [*TINY, "--output.dir", str(out), "--nproc_per_node", "2"]
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+        monkeypatch.setattr(launch, "_LAUNCHED", ("TORCHELASTIC_RUN_ID",))
+        argv = [*TINY, "--output.dir", str(out)]
+    with pytest.raises(SystemExit) as stop:
+        launch.main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --nproc_per_node: expected at most 1 processes on this host (one GPU each; CUDA_VISIBLE_DEVICES " \
+           "sets which), got 2" in err, err
+    assert not out.exists()
