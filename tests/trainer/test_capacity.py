@@ -348,3 +348,31 @@ def test_every_rank_plans_under_the_smallest_budgets_of_any(monkeypatch, h200):
     with pytest.raises(ConfigError, match=r"72.0 GiB of host memory, this machine gives 71.1 GiB and 75.0 GiB"):
         plan_run(_cfg("--data.seq_len", "1048576"), _Device(), 128256, measure=_measured(40), agree=agree, say=said.append)
     assert budgets[-1][1] == -75 * GIB
+
+
+def _plan_on_a_rank(rank, world, elsewhere_gib):
+    """One gloo rank's plan at 512k on a stated 139 GiB GPU, ``elsewhere_gib[rank]`` of it held by another
+    process, the ranks agreeing through the trainer's own collective (no stand-in)."""
+    from fm_parallel.trainer.capacity import plan_run
+
+    total = 139 * GIB
+    free = total - (0.6 + elsewhere_gib[rank]) * GIB
+    torch.cuda.get_device_properties = lambda d: type("P", (), {"total_memory": total})()
+    torch.cuda.mem_get_info = lambda d=None: (free, total)
+    torch.cuda.memory_reserved = lambda d=None: 0
+    said = []
+    plan = plan_run(_cfg("--data.seq_len", "524288", "--model.host_memory_gib", "100"), _Device(), 128256,
+                    measure=_measured(40), say=said.append)
+    return {"plan": [plan.every, plan.offload_layers, plan.device_bytes], "said": said}
+
+
+def test_ranks_agree_on_the_plan_through_their_collective():
+    """Two gloo ranks, the second's GPU 60 GiB held by another job: both plan alike, under what the
+    second has left, and both say why (the real all-reduce, as a multi-GPU run does it)."""
+    from tests.distributed.spawn import run_ranks
+
+    ranks = run_ranks(_plan_on_a_rank, 2, [0, 60], timeout=180)
+    assert all("exception" not in r for r in ranks), ranks
+    assert ranks[0]["plan"] == ranks[1]["plan"]
+    assert ranks[0]["plan"][2] <= (0.94 * 139 - 59.6) * GIB
+    assert all(r["said"][0].startswith("memory plan: other processes hold 59.6 GiB of this GPU") for r in ranks)
