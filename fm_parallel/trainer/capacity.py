@@ -282,8 +282,9 @@ def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
     lowest_device, lowest_host, elsewhere = (agree or _largest_over_ranks)([-device_budget, -host_budget, elsewhere])
     device_budget, host_budget = -lowest_device, -lowest_host
     if elsewhere:  # the most any rank's GPU has held by other processes
-        say(f"memory plan: other processes hold {elsewhere / GIB:.1f} GiB of this GPU; the plan keeps within "
-            f"the {device_budget / GIB:.1f} GiB left (model.device_memory_gib sets it)")
+        say(f"memory plan: {elsewhere / GIB:.1f} GiB of this GPU is held outside this process's tensors (another "
+            f"process, or a library's own buffers); the plan keeps within the {device_budget / GIB:.1f} GiB left "
+            f"(model.device_memory_gib sets it)")
     # The real model's static memory: the one-layer model's, L - 1 more layers, every adapter's AdamW
     # moments; and the other layers' adapter gradients, made during the layers' backward (the one
     # layer's own are in its measured peaks).

@@ -344,7 +344,9 @@ CONTEXT_BYTES = GIB
 
 def gpu_memory_budget(device: torch.device, fraction: float) -> tuple[float, float]:
     """What a memory plan may use on CUDA ``device``: ``fraction`` of its memory, less what other
-    processes hold there (another job, a notebook holding a model, ranks sharing the GPU).
+    processes hold there (another job, a notebook holding a model, ranks sharing the GPU), and what
+    libraries hold outside PyTorch's allocator beyond ``CONTEXT_BYTES`` (NCCL's buffers, by the time a
+    multi-GPU run plans: the measurement's agreement is its first collective).
 
     Returns ``(budget, elsewhere)`` in bytes; ``elsewhere`` is the memory held outside this process
     (``total - free - reserved by this allocator``, less ``CONTEXT_BYTES`` for this process's own context),

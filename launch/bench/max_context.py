@@ -244,7 +244,8 @@ def run(shape: str, impl: str, device, args) -> dict:
     if cuda:
         device_budget, elsewhere = gpu_memory_budget(device, args.device_fraction)
         if elsewhere:
-            print(f"warning: other processes hold {elsewhere / 2**30:.1f} GiB of this GPU; plans keep within the "
+            print(f"warning: {elsewhere / 2**30:.1f} GiB of this GPU is held outside this process's tensors (another "
+                  f"process, or a library's own buffers); plans keep within the "
                   f"{device_budget / 2**30:.1f} GiB left, and the lengths that fit are this run's, not the GPU's", flush=True)
     planner = Planner(s["layers"], s["hidden_size"], 2 if cuda else 4, device_budget, args.host_gib * 2**30,
                       None if args.checkpoint_every == "auto" else int(args.checkpoint_every),

@@ -105,8 +105,8 @@ def test_the_plan_keeps_within_what_other_processes_leave(monkeypatch):
     shared = plans[60]
     assert shared.device_bytes <= (0.94 * 139 - 59.6) * GIB < plans[0].device_bytes
     assert (shared.every, shared.offload_layers) != (1, 9)
-    assert said[60][0] == "memory plan: other processes hold 59.6 GiB of this GPU; the plan keeps within the 71.1 GiB " \
-                          "left (model.device_memory_gib sets it)"
+    assert said[60][0] == "memory plan: 59.6 GiB of this GPU is held outside this process's tensors (another process, " \
+                          "or a library's own buffers); the plan keeps within the 71.1 GiB left (model.device_memory_gib sets it)"
     assert len(said[60]) == 2 and said[60][1].startswith("memory plan: 524288 tokens:")
     # a stated budget is the user's: nothing is said about other processes
     cfg = _cfg("--data.seq_len", "524288", "--model.host_memory_gib", "100", "--model.device_memory_gib", "130")
@@ -343,7 +343,7 @@ def test_every_rank_plans_under_the_smallest_budgets_of_any(monkeypatch, h200):
     plan = plan_run(_cfg("--data.seq_len", "1048576"), _Device(), 128256, measure=_measured(40), agree=agree, say=said.append)
     assert budgets[-1] == [-0.94 * 139 * GIB, -300 * GIB, 0.0]  # this rank's own: 75% of 400 GiB, its GPU to itself
     assert plan.device_bytes <= (0.94 * 139 - 59.6) * GIB < alone.device_bytes
-    assert said[0].startswith("memory plan: other processes hold 59.6 GiB of this GPU")
+    assert said[0].startswith("memory plan: 59.6 GiB of this GPU is held outside this process's tensors")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # a quarter of 75% of the host for each of 4 processes on it
     with pytest.raises(ConfigError, match=r"72.0 GiB of host memory, this machine gives 71.1 GiB and 75.0 GiB"):
         plan_run(_cfg("--data.seq_len", "1048576"), _Device(), 128256, measure=_measured(40), agree=agree, say=said.append)
@@ -375,4 +375,4 @@ def test_ranks_agree_on_the_plan_through_their_collective():
     assert all("exception" not in r for r in ranks), ranks
     assert ranks[0]["plan"] == ranks[1]["plan"]
     assert ranks[0]["plan"][2] <= (0.94 * 139 - 59.6) * GIB
-    assert all(r["said"][0].startswith("memory plan: other processes hold 59.6 GiB of this GPU") for r in ranks)
+    assert all(r["said"][0].startswith("memory plan: 59.6 GiB of this GPU is held outside this process's tensors") for r in ranks)
