@@ -346,7 +346,8 @@ def check_before_start(cfg: Config, local_processes: int | None = None) -> None:
         # each rank takes cuda:LOCAL_RANK: a rank past the last GPU died on "invalid device ordinal"
         # while the others waited for it in their first collective
         raise ConfigError(f"--nproc_per_node: expected at most {torch.cuda.device_count()} processes on this host (one "
-                          f"GPU each; CUDA_VISIBLE_DEVICES sets which), got {local}")
+                          f"GPU each), got {local}; CUDA_VISIBLE_DEVICES chooses the GPUs, and set empty runs every "
+                          f"rank on the CPU")
     device = torch.device("cuda" if cuda else "cpu")
     dtype = model_dtype(cfg, cuda)
     if cfg.model.attention == "flashmask":

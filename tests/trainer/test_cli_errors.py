@@ -87,6 +87,6 @@ def test_more_processes_than_gpus_are_refused_before_any_rank(tmp_path, monkeypa
         launch.main(argv)
     assert stop.value.code == 2
     err = capsys.readouterr().err
-    assert "error: --nproc_per_node: expected at most 1 processes on this host (one GPU each; CUDA_VISIBLE_DEVICES " \
-           "sets which), got 2" in err, err
+    assert "error: --nproc_per_node: expected at most 1 processes on this host (one GPU each), got 2; " \
+           "CUDA_VISIBLE_DEVICES chooses the GPUs, and set empty runs every rank on the CPU" in err, err
     assert not out.exists()
