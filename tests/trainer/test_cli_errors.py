@@ -80,8 +80,7 @@ def test_more_processes_than_gpus_are_refused_before_any_rank(tmp_path, monkeypa
         argv = [*TINY, "--output.dir", str(out), "--nproc_per_node", "2"]
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
-        monkeypatch.setattr(launch, "_LAUNCHED", ("TORCHELASTIC_RUN_ID",))
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")  # what torchrun sets in each rank
         argv = [*TINY, "--output.dir", str(out)]
     with pytest.raises(SystemExit) as stop:
         launch.main(argv)
