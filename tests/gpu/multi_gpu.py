@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from launch.bench.harness import DTYPES, init_ranks  # noqa: E402
+from fm_parallel.distributed.sharding import BALANCE_MODES  # noqa: E402
 
 # Max |distributed - single device| relative to max |single device|: the merge order of partial
 # softmax results differs, so halves agree to their rounding, float64 to ~1e-12.
@@ -190,8 +191,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     mask_names = ["causal", "docs", "docs_bidirectional", "dpo", "rm4", "sliding_sinks", "global_window", "prefix_lm"]
     parser.add_argument("--masks", nargs="+", default=mask_names, choices=mask_names)
-    parser.add_argument("--balances", nargs="+", default=["contiguous", "zigzag", "mask"],
-                        choices=["contiguous", "zigzag", "mask"])
+    parser.add_argument("--balances", nargs="+", default=list(BALANCE_MODES), choices=BALANCE_MODES)
     parser.add_argument("--mask-on", default="host", choices=["host", "device"],
                         help="where the mask is prepared from: the loader's host copy (the trainer's path) or the device")
     parser.add_argument("--impls", nargs="+", default=["auto"],

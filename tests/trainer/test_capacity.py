@@ -41,14 +41,16 @@ class _Device:
     type = "cuda"
 
 
-def _gpu(monkeypatch, total_gib: float, elsewhere_gib: float = 0.0, reserved_gib: float = 0.0):
+def _gpu(monkeypatch, total_gib: float, elsewhere_gib: float = 0.0, reserved_gib: float = 0.0, set_attr=None):
     """torch.cuda's memory for a stated device: this process's allocator holds ``reserved_gib`` and its CUDA
-    context 0.6 GiB; other processes ``elsewhere_gib``."""
+    context 0.6 GiB; other processes ``elsewhere_gib``. ``set_attr``: ``setattr`` in a spawned rank (no
+    monkeypatch there), else ``monkeypatch.setattr``."""
     total = total_gib * GIB
     free = total - (0.6 + elsewhere_gib + reserved_gib) * GIB
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": total})())
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (free, total))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: reserved_gib * GIB)
+    set_attr = set_attr or monkeypatch.setattr
+    set_attr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": total})())
+    set_attr(torch.cuda, "mem_get_info", lambda d=None: (free, total))
+    set_attr(torch.cuda, "memory_reserved", lambda d=None: reserved_gib * GIB)
 
 
 @pytest.fixture
@@ -355,11 +357,7 @@ def _plan_on_a_rank(rank, world, elsewhere_gib):
     process, the ranks agreeing through the trainer's own collective (no stand-in)."""
     from fm_parallel.trainer.capacity import plan_run
 
-    total = 139 * GIB
-    free = total - (0.6 + elsewhere_gib[rank]) * GIB
-    torch.cuda.get_device_properties = lambda d: type("P", (), {"total_memory": total})()
-    torch.cuda.mem_get_info = lambda d=None: (free, total)
-    torch.cuda.memory_reserved = lambda d=None: 0
+    _gpu(None, 139, elsewhere_gib=elsewhere_gib[rank], set_attr=setattr)
     said = []
     plan = plan_run(_cfg("--data.seq_len", "524288", "--model.host_memory_gib", "100"), _Device(), 128256,
                     measure=_measured(40), say=said.append)
