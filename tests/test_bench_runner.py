@@ -95,3 +95,33 @@ def test_the_gpu_scripts_refuse_their_default_device_without_cuda(script, on_a_c
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"{script}: error: --device cuda: expected a CUDA device" in proc.stderr and on_a_cpu in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("shared_gpu", [False, True])
+def test_more_nccl_ranks_than_gpus_are_refused_before_the_process_group(monkeypatch, shared_gpu):
+    """cp_scaling.py and tests/gpu/multi_gpu.py under torchrun with 2 ranks on a one-GPU host (stated):
+    each NCCL rank takes cuda:LOCAL_RANK, and the second died on "invalid device ordinal". Refused by
+    name before any process group; --shared-gpu (every rank on cuda:0) is what one GPU can run."""
+    import torch.distributed as dist
+
+    from launch.bench.harness import init_ranks
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    started = []
+
+    def init_process_group(*args, **kwargs):
+        started.append(args)
+        raise RuntimeError("stop here: the process group would start")
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    if shared_gpu:
+        with pytest.raises(RuntimeError, match="stop here"):
+            init_ranks("cuda", shared_gpu=True)
+        assert started == [("gloo",)]
+        return
+    with pytest.raises(ValueError, match=r"^--nproc_per_node: expected at most 1 ranks on this host with --device cuda "
+                                         r"\(one GPU each\), got 2; --shared-gpu puts every rank on one GPU$"):
+        init_ranks("cuda")
+    assert not started

@@ -69,6 +69,13 @@ def init_ranks(device_name: str, shared_gpu: bool = False):
     if shared_gpu and device_name != "cuda":
         raise ValueError("--shared-gpu: expected --device cuda (ranks sharing one GPU), got --device cpu")
     cuda = device_name == "cuda"
+    from fm_parallel.trainer.config import processes_on_this_host
+
+    local_world = processes_on_this_host()
+    if cuda and not shared_gpu and local_world > torch.cuda.device_count():
+        # each rank takes cuda:LOCAL_RANK: one past the last GPU died on "invalid device ordinal"
+        raise ValueError(f"--nproc_per_node: expected at most {torch.cuda.device_count()} ranks on this host with "
+                         f"--device cuda (one GPU each), got {local_world}; --shared-gpu puts every rank on one GPU")
     dist.init_process_group("nccl" if cuda and not shared_gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local = 0 if shared_gpu else int(os.environ.get("LOCAL_RANK", 0))
