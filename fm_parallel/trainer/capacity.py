@@ -29,8 +29,8 @@ from typing import Callable
 import torch
 
 from fm_parallel.trainer.config import Config, ConfigError, model_dtype, processes_on_this_host
-from fm_parallel.trainer.memory import (GIB, MemoryPlan, MemoryPlanError, StepBudget, gpu_memory_budget, host_memory_bytes,
-                                       plan_memory)
+from fm_parallel.trainer.memory import (GIB, MemoryPlan, MemoryPlanError, StepBudget, gpu_memory_budget,
+                                       held_elsewhere_message, host_memory_bytes, plan_memory)
 
 __all__ = ["PHASES", "PhasePeaks", "plan_run", "LayerBudget", "measure_layer_budget", "measure_one_layer",
            "measured_lengths", "dropped_gradient_input",
@@ -282,9 +282,7 @@ def plan_run(cfg: Config, device: torch.device, vocab_size: int, *, cp: int = 1,
     lowest_device, lowest_host, elsewhere = (agree or _largest_over_ranks)([-device_budget, -host_budget, elsewhere])
     device_budget, host_budget = -lowest_device, -lowest_host
     if elsewhere:  # the most any rank's GPU has held by other processes
-        say(f"memory plan: {elsewhere / GIB:.1f} GiB of this GPU is held outside this process's tensors (another "
-            f"process, or a library's own buffers); the plan keeps within the {device_budget / GIB:.1f} GiB left "
-            f"(model.device_memory_gib sets it)")
+        say(f"memory plan: {held_elsewhere_message(elsewhere, device_budget)} (model.device_memory_gib sets it)")
     # The real model's static memory: the one-layer model's, L - 1 more layers, every adapter's AdamW
     # moments; and the other layers' adapter gradients, made during the layers' backward (the one
     # layer's own are in its measured peaks).

@@ -359,6 +359,14 @@ def gpu_memory_budget(device: torch.device, fraction: float) -> tuple[float, flo
     return fraction * total - elsewhere, elsewhere
 
 
+def held_elsewhere_message(elsewhere: float, budget: float) -> str:
+    """What a plan says when ``elsewhere`` bytes of its GPU are held outside this process's tensors
+    (:func:`gpu_memory_budget`) and it keeps within ``budget`` bytes: one wording for the trainer and
+    ``max_context.py``, each of which adds what sets or limits its budget."""
+    return (f"{elsewhere / GIB:.1f} GiB of this GPU is held outside this process's tensors (another process, "
+            f"or a library's own buffers); the plan keeps within the {budget / GIB:.1f} GiB left")
+
+
 def decoder_parameters(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
                        head_dim: int | None = None) -> int:
     """The parameters of a Llama decoder's ``layers`` (q / k / v / o projections, the gated MLP's three,

@@ -233,7 +233,8 @@ def run(shape: str, impl: str, device, args) -> dict:
 
     from fm_parallel.trainer.capacity import PhasePeaks
     from fm_parallel.trainer.flops import peak_tflops, step_flops
-    from fm_parallel.trainer.memory import MemoryPlanError, checkpoint_layers, gpu_memory_budget, plan_shortfall
+    from fm_parallel.trainer.memory import (MemoryPlanError, checkpoint_layers, gpu_memory_budget,
+                                            held_elsewhere_message, plan_shortfall)
     from fm_parallel.trainer.metrics import allocator_stats, compile_seconds, first_step_costs
 
     rows: list[dict] = []
@@ -244,9 +245,8 @@ def run(shape: str, impl: str, device, args) -> dict:
     if cuda:
         device_budget, elsewhere = gpu_memory_budget(device, args.device_fraction)
         if elsewhere:
-            print(f"warning: {elsewhere / 2**30:.1f} GiB of this GPU is held outside this process's tensors (another "
-                  f"process, or a library's own buffers); plans keep within the "
-                  f"{device_budget / 2**30:.1f} GiB left, and the lengths that fit are this run's, not the GPU's", flush=True)
+            print(f"warning: {held_elsewhere_message(elsewhere, device_budget)}, and the lengths that fit are this "
+                  f"run's, not the GPU's", flush=True)
     planner = Planner(s["layers"], s["hidden_size"], 2 if cuda else 4, device_budget, args.host_gib * 2**30,
                       None if args.checkpoint_every == "auto" else int(args.checkpoint_every),
                       None if args.offload == "auto" else int(args.offload))
