@@ -94,3 +94,50 @@ def test_the_scripts_default_plan_measures_one_layer_and_holds(tmp_path):
     assert "plan missed" not in out, out[-4000:]
     row = json.loads((tmp_path / "max_context.jsonl").read_text().splitlines()[0])
     assert row["fits"] and row["peak_gib"] <= row["planned_device_gib"], row
+
+
+# Holds ``sys.argv[1]`` bytes of the GPU and says so; stays until killed: another job on the same GPU.
+_HOLDER = ("import sys, time, torch; x = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device='cuda'); "
+           "torch.cuda.synchronize(); print('held', flush=True); time.sleep(3600)")
+
+
+@needs_cuda
+def test_the_trainers_plan_keeps_within_what_another_process_leaves(tmp_path):
+    """Another process holds all but 20 GiB of the GPU while the trainer plans with ``memory_plan =
+    "auto"``: the plan says how much is held elsewhere (what the other process took, to this machine's
+    CUDA contexts), keeps within 94% of the GPU less that, and every step peaks under its plan. Before
+    the plan counted it (``memory.gpu_memory_budget``), it planned against the whole GPU and a long row
+    ran out of memory mid-step."""
+    import re
+
+    from fm_parallel.trainer.memory import GIB
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    free_before, _ = torch.cuda.mem_get_info()
+    hold = free_before - 20 * GIB
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(hold)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        held = free_before - torch.cuda.mem_get_info()[0]  # the tensor and the holder's own context
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FM_") or k == "FM_FA4_SITE"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "fm_parallel.launch", *SMALL, "--data.seq_len", "65536", "--model.memory_plan",
+             "auto", "--training.steps", "2", "--training.warmup", "1", "--output.dir", str(tmp_path / "run")],
+            capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    said = re.search(r"memory plan: ([\d.]+) GiB of this GPU is held outside this process's tensors .*? the plan keeps "
+                     r"within the ([\d.]+) GiB left", out)
+    assert said, out[-4000:]
+    elsewhere, left = float(said[1]), float(said[2])
+    # this pytest process's context and the trainer's own, against the 1 GiB the budget allows for one
+    assert abs(elsewhere - held / GIB) < 1.0, (elsewhere, held / GIB)
+    assert abs(left - (0.94 * total / GIB - elsewhere)) < 0.11, (left, total / GIB, elsewhere)
+    assert "memory plan missed" not in out, out[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "memory_gib" in r]
+    assert len(steps) == 2 and all(r["memory_gib"] <= r["planned_gib"] <= left for r in steps), (steps, left)
