@@ -178,6 +178,9 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
     ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --compile on --profile 131072 "
                              "--lengths 131072 524288 --calibrate 65536 131072 --host-gib 100"):
         Skip(GPU, "8B model, parts compiled: a profiled step at 131k, steps at 131k and 512k (run on the H100, 2026-12-05)"),
+    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --compile on --profile 131072 "
+                             "--lengths 131072 --calibrate 65536 131072 --host-gib 100"):
+        Skip(GPU, "8B model, parts compiled, LoRA in bf16: a profiled step at 131k (run on the H100, 2026-12-07)"),
     ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_1m.toml --output.stop_after 1 "
                              "--model.memory_plan fixed --model.checkpoint_every 3 --model.offload_layers 27"):
         Skip(GPU, "8B model at 1M tokens, first step and a checkpoint (run on the H100, 2026-12-05)"),
