@@ -106,8 +106,9 @@ def test_the_trainers_plan_keeps_within_what_another_process_leaves(tmp_path):
     """Another process holds all but 20 GiB of the GPU while the trainer plans with ``memory_plan =
     "auto"``: the plan says how much is held elsewhere (what the other process took, to this machine's
     CUDA contexts), keeps within 94% of the GPU less that, and every step peaks under its plan. Before
-    the plan counted it (``memory.gpu_memory_budget``), it planned against the whole GPU and a long row
-    ran out of memory mid-step."""
+    the plan counted it (``memory.gpu_memory_budget``), it planned against the whole GPU, and a length
+    planned near the GPU's size would have run out of memory mid-step; without it this test fails on
+    the missing line."""
     import re
 
     from fm_parallel.trainer.memory import GIB
