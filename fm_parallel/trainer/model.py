@@ -125,7 +125,7 @@ def build_model(cfg: Config, vocab_size: int, device, save_base=None):
     dtype = model_dtype(cfg, device.type == "cuda")
     torch.manual_seed(cfg.training.seed)
     if cfg.model.path:
-        base = AutoModelForCausalLM.from_pretrained(cfg.model.path, attn_implementation=name, torch_dtype=dtype, local_files_only=True)
+        base = AutoModelForCausalLM.from_pretrained(cfg.model.path, attn_implementation=name, dtype=dtype, local_files_only=True)
     else:
         m = cfg.model
         with torch.device(device):  # initialise on the device: an 8B model's CPU init takes minutes

@@ -90,3 +90,31 @@ def test_a_vocabulary_too_small_for_the_tokenizer_is_refused_by_name(tmp_path, c
     assert code == 2, err[-3000:]
     assert f"holds the tokenizer of {small}'s {len(tok)} ids, got vocab_size 200" in err, err[-3000:]
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before anything was written
+
+
+def test_a_model_folder_loads_without_a_deprecation_notice(tmp_path, capsys):
+    """The trainer's ``model.path`` load and LoRA wrap (``trainer.model``) call today's transformers and
+    peft APIs: no deprecation notice, neither a Python warning nor transformers' own log line (the
+    load passed ``torch_dtype=``, which transformers 5 logs as deprecated, into every run's output)."""
+    import logging
+    import warnings
+
+    notices = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            notices.append(record.getMessage())
+
+    logger = logging.getLogger("transformers")
+    handler = Collect(level=logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            code, _, err = _run(ARGS + ["--model.path", str(_model_folder(tmp_path / "model", 300)),
+                                        "--output.dir", str(tmp_path / "run")], capsys)
+    finally:
+        logger.removeHandler(handler)
+    assert code in (0, None), err[-3000:]
+    notices += [str(w.message) for w in caught]
+    assert not [n for n in notices if "deprecat" in n.lower()], notices
