@@ -487,21 +487,24 @@ _WORKSPACE: list[Path] = []
 _DONE: set[tuple[str, str]] = set()
 
 
+def repository_files() -> list[str]:
+    """The repository's files (tracked and untracked, not ignored): what a user's clone holds."""
+    try:
+        names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                               capture_output=True).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: everything but runs and caches
+        names = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file()
+                 and not {".git", "runs", "__pycache__"} & set(p.relative_to(ROOT).parts)]
+    return [name for name in names if name and (ROOT / name).is_file()]
+
+
 def workspace(factory) -> Path:
-    """One fresh copy of the repository's files (tracked and untracked, not ignored): the user's clone."""
+    """One fresh copy of the repository's files: the user's clone."""
     if not _WORKSPACE:
         dest = factory.mktemp("clone")
-        try:
-            names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
-                                   capture_output=True).stdout.decode().split("\0")
-        except (OSError, subprocess.CalledProcessError):  # not a git checkout: everything but runs and caches
-            names = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file()
-                     and not {".git", "runs", "__pycache__"} & set(p.relative_to(ROOT).parts)]
-        for name in filter(None, names):
-            src = ROOT / name
-            if src.is_file():
-                (dest / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(src, dest / name)
+        for name in repository_files():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
         _WORKSPACE.append(dest)
     return _WORKSPACE[0]
 
@@ -627,6 +630,20 @@ def test_documented_python_runs_as_written(snippet, tmp_path_factory):
     assert result["ok"], f"{snippet.where} (after the file's earlier snippets, in one interpreter):\n{tail(result['error'], 12)}"
     assert not decision.known_failure, f"{snippet.where} passes now: drop its known_failure"
 
+
+def test_the_documented_commands_leave_the_repositorys_files_as_they_were(tmp_path_factory):
+    """After the documented commands and snippets above ran in the user's copy (this module runs them
+    first), every file of the repository is as it was: a command's default output goes under ``runs/``
+    or a folder the user names, never over a tracked file (``finetune_smollm2.py`` wrote its result
+    over ``docs/benchmarks/smollm2_cpu.json``, leaving a user's clone modified; it is Skip-decided,
+    its default is tested in tests/test_finetune_smollm2.py). A command that exists to write a recorded
+    file names it on its command line."""
+    if not _WORKSPACE:
+        pytest.skip("no documented command ran in this session (run the whole module)")
+    copy = _WORKSPACE[0]
+    changed = [name for name in repository_files()
+               if not (copy / name).is_file() or (copy / name).read_bytes() != (ROOT / name).read_bytes()]
+    assert not changed, f"documented commands changed or removed these files of the user's copy: {changed}"
 
 if __name__ == "__main__":
     from collections import Counter

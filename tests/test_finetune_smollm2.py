@@ -72,3 +72,14 @@ def test_missing_gguf_reader_says_what_to_run(script, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
     with pytest.raises(SystemExit, match="needs the gguf package.*run: pip install gguf$"):
         script.check_gguf_reader()
+
+
+def test_the_result_goes_under_runs_unless_named(script, tmp_path):
+    """A user's run as the README writes it leaves the repository's files as they were: the result JSON
+    goes to ``--out`` (under the ignored ``runs/``), not over the recorded ``docs/benchmarks/smollm2_cpu.json``
+    (which a run of ours names with ``--json``)."""
+    args = script.parse_args([])
+    assert args.json == ROOT / "runs" / "cpu_smollm2" / "result.json"
+    assert script.parse_args(["--out", str(tmp_path)]).json == tmp_path / "result.json"
+    named = ROOT / "docs" / "benchmarks" / "smollm2_cpu.json"
+    assert script.parse_args(["--json", str(named)]).json == named
