@@ -9,7 +9,7 @@ the ``gguf`` package into an ordinary Llama folder (``runs/models/smollm2-135m``
 fine-tunes with LoRA on packed standard-library sources (``launch/configs/cpu_smollm2.toml``). The
 held-out loss is measured before (the base model) and after (the base model plus the adapter the
 trainer exported, loaded with ``PeftModel.from_pretrained``) on files the training never saw.
-Prints a table and writes it as JSON to ``runs/cpu_smollm2/result.json`` (``--json``; the recorded run is
+Prints a table and writes it as JSON to ``runs/cpu_smollm2.json`` (``--json``; the recorded run is
 ``docs/benchmarks/smollm2_cpu.json``, written with ``--json`` naming it). The trainer's environment overrides
 apply (``FM_TRAINING__STEPS=2 python launch/finetune_smollm2.py`` for a quick check), except the keys
 this script sets itself (model.path, data.tokenizer, data.path, output.dir).
@@ -133,10 +133,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="override training.steps of the config")
     parser.add_argument("--heldout-files", type=int, default=12)
     parser.add_argument("--json", type=Path, default=None,
-                        help="where the result goes (default: result.json in --out; the repository's recorded run is "
+                        help="where the result goes (default: OUT.json beside --out; the repository's recorded run is "
                              "docs/benchmarks/smollm2_cpu.json)")
     args = parser.parse_args(argv)
-    args.json = args.json or args.out / "result.json"  # a user's run leaves the repository's files as they were
+    # Not over a tracked file (a user's run leaves the repository as it was), and not inside --out: the
+    # trainer refuses a run directory holding files that are not a run's, so a second run would stop.
+    args.json = args.json or args.out.parent / f"{args.out.name}.json"
     return args
 
 

@@ -76,10 +76,19 @@ def test_missing_gguf_reader_says_what_to_run(script, monkeypatch):
 
 def test_the_result_goes_under_runs_unless_named(script, tmp_path):
     """A user's run as the README writes it leaves the repository's files as they were: the result JSON
-    goes to ``--out`` (under the ignored ``runs/``), not over the recorded ``docs/benchmarks/smollm2_cpu.json``
-    (which a run of ours names with ``--json``)."""
+    goes beside ``--out`` (under the ignored ``runs/``), not over the recorded
+    ``docs/benchmarks/smollm2_cpu.json`` (which a run of ours names with ``--json``), and not inside
+    ``--out``, whose foreign file would make the trainer refuse the next run's directory."""
+    from fm_parallel.trainer.config import load_config
+    from fm_parallel.trainer.runs import check_run_dir
+
     args = script.parse_args([])
-    assert args.json == ROOT / "runs" / "cpu_smollm2" / "result.json"
-    assert script.parse_args(["--out", str(tmp_path)]).json == tmp_path / "result.json"
+    assert args.json == ROOT / "runs" / "cpu_smollm2.json"
     named = ROOT / "docs" / "benchmarks" / "smollm2_cpu.json"
     assert script.parse_args(["--json", str(named)]).json == named
+    out = tmp_path / "run"
+    args = script.parse_args(["--out", str(out)])
+    assert args.json == tmp_path / "run.json"
+    (out / "adapter").mkdir(parents=True)  # an earlier run's output, and its result beside it
+    args.json.write_text("{}")
+    check_run_dir(load_config(["--output.dir", str(out), "--output.overwrite", "true"], environ={}))  # no refusal
