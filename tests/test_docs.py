@@ -634,17 +634,18 @@ def test_documented_python_runs_as_written(snippet, tmp_path_factory):
 def test_the_documented_commands_leave_the_repositorys_files_as_they_were(tmp_path_factory):
     """After the documented commands and snippets above ran in the user's copy (this module runs them
     first), every file of the repository is as it was: a command's default output goes under ``runs/``
-    or a folder the user names, never over a tracked file (the benchmarks excepted: re-recording
-    ``docs/benchmarks/`` is what they are for, and ``launch/bench/run.py`` says so; ``finetune_smollm2.py`` wrote its result
-    over ``docs/benchmarks/smollm2_cpu.json``, leaving a user's clone modified; it is Skip-decided,
-    its default is tested in tests/test_finetune_smollm2.py). A command that exists to write a recorded
-    file names it on its command line."""
+    or a folder the user names, never over a tracked file. ``finetune_smollm2.py`` wrote its result
+    over ``docs/benchmarks/smollm2_cpu.json``, leaving a user's clone modified (it is Skip-decided; its
+    default is tested in tests/test_finetune_smollm2.py). A command that exists to write a recorded file
+    names it on its command line; the benchmarks are the exception: re-recording ``docs/benchmarks/``
+    is what they are for, and ``launch/bench/run.py`` says so."""
     if not _WORKSPACE:
         pytest.skip("no documented command ran in this session (run the whole module)")
     copy = _WORKSPACE[0]
     changed = [name for name in repository_files()
                if not (copy / name).is_file() or (copy / name).read_bytes() != (ROOT / name).read_bytes()]
     assert not changed, f"documented commands changed or removed these files of the user's copy: {changed}"
+
 
 if __name__ == "__main__":
     from collections import Counter
