@@ -77,21 +77,34 @@ class ContextParallelConfig:
     impl: str | None = None
 
     def __post_init__(self):
-        if not isinstance(self.degree, int) or isinstance(self.degree, bool) or self.degree < 1:
-            raise ValueError(f"cp.degree: expected an int >= 1, got {self.degree!r}")
-        if self.mode not in CP_MODES:
-            raise ValueError(f"cp.mode: expected one of {CP_MODES}, got {self.mode!r}")
-        if self.balance not in BALANCE_MODES:
-            raise ValueError(f"cp.balance: expected one of {BALANCE_MODES}, got {self.balance!r}")
+        # Every field is checked by type and value, each naming cp.<field>: a bool is not a count, a
+        # float or a string is not an int (0 once silently became the default 2).
+        def positive_int(name, value):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"cp.{name}: expected an int >= 1, got {value!r}")
+
+        def one_of(name, value, choices):
+            if not isinstance(value, str) or value not in choices:
+                raise ValueError(f"cp.{name}: expected one of {tuple(choices)}, got {value!r}")
+
+        positive_int("degree", self.degree)
+        one_of("mode", self.mode, CP_MODES)
+        one_of("balance", self.balance, BALANCE_MODES)
+        if self.impl is not None:
+            from fm_parallel import backends
+
+            one_of("impl", self.impl, backends.names())
         if self.ulysses_degree is not None and self.mode != "hybrid":
             raise ValueError(f"cp.ulysses_degree: expected None for mode={self.mode!r} (hybrid only), got {self.ulysses_degree!r}")
+        if self.ulysses_degree is not None:
+            positive_int("ulysses_degree", self.ulysses_degree)
         if self.mode == "hybrid" and self.degree > 1 and self.degree % self.ulysses:
             raise ValueError(f"cp.ulysses_degree: expected a divisor of cp.degree = {self.degree}, got {self.ulysses}")
 
     @property
     def ulysses(self) -> int:
         """Ulysses ranks per group: ``degree`` for Ulysses, 1 for the ring, ``ulysses_degree`` (2) for hybrid."""
-        return {"ring": 1, "ulysses": self.degree, "hybrid": self.ulysses_degree or 2}[self.mode]
+        return {"ring": 1, "ulysses": self.degree, "hybrid": 2 if self.ulysses_degree is None else self.ulysses_degree}[self.mode]
 
 
 class _Layout:
@@ -189,8 +202,10 @@ def row_mask(inputs: dict, causal: bool = True) -> FlashMask:
     if mask.num_rows != n:
         raise ValueError(f"flashmask: expected a mask over the batch's {n} tokens, got {mask.num_rows} rows")
     padding = inputs.get("attention_mask")
+    if padding is not None:
+        padding = fm_hf.padding_keep(padding.cpu())  # HF's int64 / int32 / float 0-1 masks as well as bool
     if padding is not None and not bool(padding.all()):
-        mask = fm_hf._with_padding(mask, padding.cpu())
+        mask = fm_hf._with_padding(mask, padding)
     return mask
 
 
@@ -255,6 +270,7 @@ class ContextParallelMixin:
     def _check_arguments(self) -> None:
         """Refuse, by name, what would be silently wrong under this wrapper's loss and sampling."""
         from fm_parallel.integrations.dpo import _check_attention
+        from fm_parallel.integrations.world import check_trainer_world
 
         args = self.args
         _check_attention(self.model, "model")  # any other attention ignores the mask (and the context)
@@ -268,6 +284,7 @@ class ContextParallelMixin:
         if args.n_gpu > 1:
             raise ValueError(f"n_gpu: expected at most 1 per process with cp= (launch one process per GPU with torchrun; "
                              f"DataParallel would split the row), got {args.n_gpu}")
+        check_trainer_world(args)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError("deepspeed / fsdp: expected neither with cp= (DDP only; DeepSpeed's own Ulysses: "
                              "fm_parallel.integrations.deepspeed), got " + ("deepspeed" if self.is_deepspeed_enabled else "fsdp"))
@@ -381,6 +398,7 @@ class ContextParallelMixin:
         """Next-token loss of the rank's shard: ``sum CE / num_items_in_batch x world`` (DDP averages
         the gradients over the world; the shares of a CP group sum to its row's loss). Without
         ``num_items_in_batch`` (evaluation) the group's loss on this batch, replicated."""
+        self._check_attention_now(model)
         row = self._cp_row(inputs)
         outputs = model(**row.model_inputs, use_cache=False)
         logits = outputs.logits
@@ -388,9 +406,18 @@ class ContextParallelMixin:
         if num_items_in_batch is not None:
             loss = local / num_items_in_batch * self.cp_layout.world
         else:
+            # A batch with no target is NaN (0 / 0), as one process's mean cross-entropy is, so that
+            # evaluate() leaves it out as it does there (the Trainer drops NaN batch losses).
             count = torch.tensor(float((row.targets != -100).sum()), device=local.device)
-            loss = self.cp_layout.cp_sum(local) / self.cp_layout.cp_sum(count).clamp(min=1)
+            loss = self.cp_layout.cp_sum(local) / self.cp_layout.cp_sum(count)
         return (loss, outputs) if return_outputs else loss
+
+    def _check_attention_now(self, model) -> None:
+        """The model still runs our attention (a dict lookup per step): one switched to ``sdpa`` after
+        this trainer was built would attend each rank's own shard only, silently."""
+        from fm_parallel.integrations.dpo import _check_attention
+
+        _check_attention(self.accelerator.unwrap_model(model), "model")
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         # Under CP the logits are a shard's: evaluation gives the loss only.
@@ -415,6 +442,7 @@ class _ContextParallelDPO(ContextParallelMixin):
         from fm_parallel.integrations.dpo import check_preference_rows
 
         check_preference_rows(inputs)
+        self._check_attention_now(model)
         row = self._cp_row(inputs)
         b = inputs["input_ids"].shape[0]
         row_samples = (inputs["fm_sample"].max(dim=1).values + 1).tolist()

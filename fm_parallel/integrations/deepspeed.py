@@ -34,6 +34,11 @@ from __future__ import annotations
 
 import torch
 
+try:  # ulysses_parallelism_config's base (the HF Trainer's ALST); the rest of this module needs no accelerate
+    from accelerate.parallelism_config import ParallelismConfig as _ParallelismConfig
+except ImportError:
+    _ParallelismConfig = None
+
 from fm_parallel.attention import flashmask_attention
 from fm_parallel.distributed.sharding import ShardPlan
 from fm_parallel.masks.flashmask import FlashMask
@@ -106,7 +111,6 @@ def ulysses_parallelism_config(sp_size: int, seq_length: int | None = None):
     means a batch size of 1. Needs ``deepspeed.comm`` initialised (``deepspeed.init_distributed``;
     accelerate does not under ``use_cpu=True``).
     """
-    from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
 
     from fm_parallel.integrations import transformers as fm_hf
@@ -118,4 +122,20 @@ def ulysses_parallelism_config(sp_size: int, seq_length: int | None = None):
     # accelerate's check lists flash-attn and sdpa names only; DeepSpeed's wrapper takes any name
     # transformers has registered, and ours is the one that reads packed position_ids and flashmask.
     handler.sp_attn_implementation = fm_hf.register()
-    return ParallelismConfig(sp_backend="deepspeed", sp_size=sp_size, sp_handler=handler)
+    return LaunchCheckedParallelismConfig(sp_backend="deepspeed", sp_size=sp_size, sp_handler=handler)
+
+
+if _ParallelismConfig is not None:
+
+    class LaunchCheckedParallelismConfig(_ParallelismConfig):
+        """accelerate's ``ParallelismConfig`` that, when the ``Accelerator`` (the Trainer's) checks it, also
+        refuses an accelerator over fewer processes than torchrun started (a CPU run without
+        ``use_cpu=True``): DeepSpeed's Ulysses loader would then gather each rank's copy of the same
+        batch and train every row twice, silently (:mod:`fm_parallel.integrations.world`). At module
+        level so that ``TrainingArguments`` holding it pickle (the Trainer saves them in checkpoints)."""
+
+        def _validate_accelerator(self, accelerator):
+            from fm_parallel.integrations.world import check_processes
+
+            check_processes(accelerator.num_processes)
+            super()._validate_accelerator(accelerator)

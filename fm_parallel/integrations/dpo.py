@@ -28,6 +28,7 @@ from transformers import Trainer
 
 from fm_parallel.integrations import transformers as fm_hf
 from fm_parallel.integrations.collator import FlashMaskCollator, response_logps
+from fm_parallel.integrations.world import check_trainer_world
 
 __all__ = ["FlashMaskDPOTrainer", "dpo_loss"]
 
@@ -109,6 +110,7 @@ class FlashMaskDPOTrainer(Trainer):
             data_collator = FlashMaskCollator(data_collator.seq_len, data_collator.pad_token_id, data_collator.vocab_size,
                                               preference=True)
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
+        check_trainer_world(self.args)  # every launched rank trains one model, or the Trainer refuses
         self.beta = float(beta)
         self.ref_model = None
         if ref_model is not None:

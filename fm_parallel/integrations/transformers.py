@@ -59,7 +59,7 @@ def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask
     keys = torch.ones(batch_size, kv_length, dtype=torch.bool, device=kwargs.get("device"))
     if attention_mask is not None:
         keys = keys.to(attention_mask.device)
-        keys[:, : attention_mask.shape[-1]] = attention_mask.to(torch.bool)
+        keys[:, : attention_mask.shape[-1]] = padding_keep(attention_mask)
     keys[:, rows_offset + q_length :] = False  # static-cache slots not written yet: no query may see them
     keys._fm_rows_offset = rows_offset
     return keys
@@ -131,10 +131,23 @@ def _documents_from_cu_seqlens(cu_q, cu_k, n: int, causal: bool, device) -> Flas
     return builders.document(cu_seqlens=bounds, causal=causal).to(device)
 
 
+def padding_keep(attention_mask: torch.Tensor) -> torch.Tensor:
+    """A 2-D padding ``attention_mask [B, N]`` as bool (True: a real token), from every dtype Hugging
+    Face uses: bool, int64 / int32 (what tokenizers and collators return), float 0 / 1. Any other value
+    is refused (an additive float mask of 0 / -inf would read as all real)."""
+    if attention_mask.dtype == torch.bool:
+        return attention_mask
+    if attention_mask.is_complex() or not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        bad = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
+        raise ValueError(f"attention_mask: expected a 2-D padding mask of 1 (token) and 0 (padding), as bool, int or "
+                         f"float, got {attention_mask.dtype} with the value {bad.flatten()[0].item()!r}")
+    return attention_mask != 0
+
+
 def _with_padding(mask: FlashMask, padding: torch.Tensor) -> FlashMask:
-    """Make padding keys (``padding[b, j]`` False) invisible to every row."""
+    """Make padding keys (``padding[b, j]`` 0 / False, any dtype :func:`padding_keep` takes) invisible to every row."""
     b = padding.shape[0]
-    pad = ~padding.to(mask.device).view(b, 1, -1, 1)
+    pad = ~padding_keep(padding).to(mask.device).view(b, 1, -1, 1)
     fms = mask.fms.expand(b, *mask.fms.shape[1:])
     fme = mask.fme.expand(b, *mask.fme.shape[1:])
     return FlashMask(torch.where(pad, mask.num_rows, fms), torch.where(pad, -1, fme), mask.num_rows, validate=False)

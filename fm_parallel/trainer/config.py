@@ -356,12 +356,17 @@ def check_before_start(cfg: Config, local_processes: int | None = None) -> None:
         except ValueError as e:
             raise ConfigError(f"parallel.{e}" if str(e).startswith("impl:") else f"parallel.impl: {e}") from None
     m = cfg.model
-    if not m.path and m.activation_checkpointing and m.offload_layers > m.layers:
-        raise ConfigError(f"model.offload_layers: expected -1 (all) or 0..{m.layers} (model.layers), got {m.offload_layers}")
+    # The layers the run will build: model.layers, or model.path's config.json (read here, before the run
+    # directory exists: a refusal after run.json is written would make the corrected command "already a run").
+    shape = _decoder_shape(cfg)
+    layers = shape["layers"] if shape else None
+    where = "model.layers" if not m.path else f"num_hidden_layers in {m.path}/config.json"
+    if layers is not None and m.activation_checkpointing and m.offload_layers > layers:
+        raise ConfigError(f"model.offload_layers: expected -1 (all) or 0..{layers} ({where}), got {m.offload_layers}")
     if not m.activation_checkpointing and m.offload_layers:
         raise ConfigError(f"model.offload_layers: expected 0 without activation checkpointing, got {m.offload_layers}")
-    if not m.path and m.activation_checkpointing and m.checkpoint_every > m.layers:
-        raise ConfigError(f"model.checkpoint_every: expected 1..{m.layers} (model.layers), got {m.checkpoint_every}")
+    if layers is not None and m.activation_checkpointing and m.checkpoint_every > layers:
+        raise ConfigError(f"model.checkpoint_every: expected 1..{layers} ({where}), got {m.checkpoint_every}")
     if not m.activation_checkpointing and m.checkpoint_every != 1:
         raise ConfigError(f"model.checkpoint_every: expected 1 without activation checkpointing, got {m.checkpoint_every}")
     if not cuda:

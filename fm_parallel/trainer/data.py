@@ -147,17 +147,18 @@ def _jsonl(path: str, keys: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
                 yield n, record
 
 
-def validate_jsonl(path: str, fields: tuple[str, ...], check=None, stop=None) -> int:
+def validate_jsonl(path: str, fields: tuple[str, ...], check=None, stop=None, key: str = "data.path") -> int:
     """One pass over a JSONL data file before training; returns the number of records.
 
     Raises :class:`DataError` naming ``file:line`` for the first line that is not UTF-8, not JSON, not
     an object or lacks one of the string ``fields``. ``check(line, record)``: called on every record
     (its fields already checked), raises for a record the objective cannot train on. ``stop()``:
-    polled, a stop request ends the pass early (returns -1)."""
+    polled, a stop request ends the pass early (returns -1). ``key``: the setting that named ``path``
+    (``data.path`` or ``eval.path``), named by the errors that are not a line's."""
     if not isinstance(fields, tuple) or not fields or not all(isinstance(f, str) for f in fields):
         raise ValueError(f"fields: expected a non-empty tuple of field names (str), got {fields!r}")
     if not os.path.isfile(path):
-        raise DataError(f"data.path: expected an existing JSONL file, got {path!r}")
+        raise DataError(f"{key}: expected an existing JSONL file, got {path!r}")
     count = 0
     for n, record in _jsonl(path, fields):
         count += 1
@@ -166,7 +167,7 @@ def validate_jsonl(path: str, fields: tuple[str, ...], check=None, stop=None) ->
         if stop is not None and count % 1024 == 0 and stop():
             return -1
     if count == 0:
-        raise DataError(f"data.path: expected at least one record, got none in {path}")
+        raise DataError(f"{key}: expected at least one record, got none in {path}")
     return count
 
 

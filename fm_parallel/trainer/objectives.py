@@ -50,14 +50,15 @@ class Objective:
     def __init__(self, cfg: Config):
         self.cfg = cfg
 
-    def validate(self, path: str, tokenizer=None, stop=None) -> int:
+    def validate(self, path: str, tokenizer=None, stop=None, key: str = "data.path") -> int:
         """One pass over the JSONL file ``path`` before training; the number of records (-1 when
         ``stop()`` ended the pass early). Every line is checked by
         :func:`~fm_parallel.trainer.data.validate_jsonl` (UTF-8, JSON, an object with :attr:`FIELDS`
         as strings) and, given the run's ``tokenizer``, by :meth:`check_record`; the first bad one
-        raises :class:`~fm_parallel.trainer.data.DataError` naming ``file:line``."""
+        raises :class:`~fm_parallel.trainer.data.DataError` naming ``file:line`` (or ``key``, the setting
+        that named the file, when it is missing or empty)."""
         check = None if tokenizer is None else (lambda line, record: self.check_record(path, line, record, tokenizer))
-        return validate_jsonl(path, self.FIELDS, check, stop)
+        return validate_jsonl(path, self.FIELDS, check, stop, key)
 
     def check_record(self, path: str, line: int, record: dict, tokenizer) -> None:
         """Raise :class:`~fm_parallel.trainer.data.DataError` naming ``path:line`` when ``record`` (its

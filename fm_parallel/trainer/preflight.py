@@ -28,3 +28,5 @@ def preflight(cfg: Config, tokenizer, stop) -> None:
     check_vocabulary(cfg, tokenizer)
     if cfg.data.path:
         objective(cfg).validate(cfg.data.path, tokenizer, stop)
+    if cfg.eval.path:  # the held-out file, checked as the training file is, and named by its own key
+        objective(cfg).validate(cfg.eval.path, tokenizer, stop, key="eval.path")

@@ -3,7 +3,8 @@
 attention as the core attention, on 2 gloo ranks: per-step losses equal one process's plain
 ``Trainer`` (1e-5) for packed documents (``DataCollatorWithFlattening``'s restarting position_ids)
 and for ``FlashMaskCollator`` prefix-LM rows (its ``flashmask`` rides along to the gathered
-sequence); the leak guard: the same packed rows with position_ids that do not restart differ."""
+sequence); the leak guard: the same packed rows with position_ids that do not restart differ; the
+recipe without ``use_cpu=True`` on a CPU is refused on every rank (it trained every row twice)."""
 
 import os
 import tempfile
@@ -12,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from tests.distributed.spawn import run_ranks
+from tests.distributed.spawn import raised, run_ranks
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
 pytest.importorskip("peft")
@@ -54,7 +55,7 @@ def _collate(kind: str):
     return collate
 
 
-def train(kind: str, sp: int) -> list[float]:
+def train(kind: str, sp: int, use_cpu: bool = True) -> list[float]:
     from transformers import Trainer, TrainingArguments
 
     from fm_parallel.integrations.deepspeed import ulysses_parallelism_config
@@ -66,7 +67,7 @@ def train(kind: str, sp: int) -> list[float]:
                                 "zero_optimization": {"stage": 1}, "bf16": {"enabled": False}},
                      parallelism_config=ulysses_parallelism_config(sp))
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=1, max_steps=3, learning_rate=1e-2,
-                             logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+                             logging_steps=1, report_to=[], save_strategy="no", use_cpu=use_cpu, seed=0, disable_tqdm=True,
                              remove_unused_columns=False, **extra)
     trainer = Trainer(model=_model(), args=args, train_dataset=_rows(kind), data_collator=_collate(kind))
     trainer.train()
@@ -79,6 +80,8 @@ def alst(rank, world, kind):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29556")
     deepspeed.init_distributed(dist_backend="gloo")  # use_cpu=True: accelerate leaves deepspeed.comm to us
+    if kind == "apart":  # the recipe without use_cpu=True on a CPU: accelerate runs each rank as one process
+        return {kind: raised(lambda: train("packed", world, use_cpu=False))}
     return {kind: train(kind, world)}
 
 
@@ -87,7 +90,7 @@ def results():
     # One ALST trainer per process: DeepSpeed sets up its SP groups and wraps the attention once per
     # process (a second trainer finds them set up, or wraps the wrapper).
     out = [{} for _ in range(2)]
-    for kind in ("packed", "prefix", "leak"):
+    for kind in ("packed", "prefix", "leak", "apart"):
         for mine, res in zip(out, run_ranks(alst, 2, kind, timeout=500)):
             mine.update(res)
     return out
@@ -108,3 +111,13 @@ def test_alst_leak_guard_without_the_packing_the_losses_differ(results, monkeypa
     for res in results:
         assert "exception" not in res, res.get("traceback")
         assert max(abs(a - b) for a, b in zip(res["leak"], want)) > 1e-3, (res["leak"], want)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU launch without use_cpu")
+def test_alst_without_use_cpu_on_a_cpu_is_refused_on_every_rank(results):
+    """Without ``use_cpu=True`` accelerate ran each CPU rank as a process of its own: its loader was not
+    sharded, so DeepSpeed's Ulysses loader gathered each rank's copy of one batch and trained every row
+    twice (losses of one process fed r0, r0, r1, r1; the epoch advancing 1/8 a step over 4 rows)."""
+    errors = [res["apart"]["raised"] for res in results]
+    assert len(set(errors)) == 1 and errors[0] is not None, errors
+    assert errors[0].startswith("ValueError: use_cpu: expected True when 2 ranks run on a machine without a GPU"), errors[0]

@@ -76,7 +76,7 @@ def test_offload_layers_is_validated(tmp_path):
     cfg = load_config(["--model.layers", "2", "--model.offload_layers", "3", "--parallel.cp", "none",
                        "--output.dir", str(tmp_path)], environ={})
     with pytest.raises(ValueError, match=r"model.offload_layers: expected -1 \(all\) or 0..2 \(model.layers\), got 3"):
-        train(cfg)  # against the built model's layer count (a model.path model's is known only once loaded)
+        train(cfg)  # against the built model's layer count (a model.path folder's: its config.json, tests/trainer/test_model.py)
     with pytest.raises(ValueError, match=r"offload_layers: expected a value >= 0 or -1, got -2"):
         load_config(["--model.offload_layers", "-2"], environ={})  # the key's own range: at load
 

@@ -106,6 +106,15 @@ def test_sft_eval_and_a_held_out_set_that_leaves_nothing_to_train(tmp_path):
     assert_user_error(trainer(*args, "--eval.rows", "50", "--output.dir", str(tmp_path / "x")), "eval.rows: expected fewer rows")
     assert_user_error(trainer(*args, "--eval.rows", "50", "--eval.path", str(data), "--output.dir", str(tmp_path / "y")),
                       "eval.rows: expected at most the")
+    # The held-out file is named by its own key, and checked before anything is written, as data.path is.
+    missing = tmp_path / "missing.jsonl"
+    assert_user_error(trainer(*args, "--eval.rows", "1", "--eval.path", str(missing), "--output.dir", str(tmp_path / "z")),
+                      f"eval.path: expected an existing JSONL file, got {str(missing)!r}")
+    bad = tmp_path / "bad_eval.jsonl"
+    bad.write_text(json.dumps({"text": "fine"}) + "\n" + '{"text": 3}\n')
+    assert_user_error(trainer(*args, "--eval.rows", "1", "--eval.path", str(bad), "--output.dir", str(tmp_path / "w")),
+                      f"{bad}:2: expected string fields ['text']")
+    assert not (tmp_path / "z").exists() and not (tmp_path / "w").exists()
 
 
 def test_tensorboard_events_hold_the_scalars(dpo_run):

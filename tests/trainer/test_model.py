@@ -118,3 +118,19 @@ def test_a_model_folder_loads_without_a_deprecation_notice(tmp_path, capsys):
     assert code in (0, None), err[-3000:]
     notices += [str(w.message) for w in caught]
     assert not [n for n in notices if "deprecat" in n.lower()], notices
+
+
+@pytest.mark.parametrize("key", ["offload_layers", "checkpoint_every"])
+def test_a_layer_count_past_the_folders_layers_is_refused_before_the_run_directory(tmp_path, capsys, key):
+    """``model.path`` a 1-layer folder with ``--model.<key> 3``: refused naming the folder's layer count,
+    with nothing written (it used to be refused when the layers were wrapped, after run.json, so the
+    corrected command was then refused as "already holds a run")."""
+    folder = _model_folder(tmp_path / "model", 258)
+    out = tmp_path / "run"
+    code, _, err = _run([*ARGS, "--model.path", str(folder), f"--model.{key}", "3", "--output.dir", str(out)], capsys)
+    assert code == 2, err
+    want = "-1 (all) or 0..1" if key == "offload_layers" else "1..1"
+    assert f"error: model.{key}: expected {want} (num_hidden_layers in {folder}/config.json), got 3" in err, err
+    assert not out.exists()
+    code, _, err = _run([*ARGS, "--model.path", str(folder), f"--model.{key}", "1", "--output.dir", str(out)], capsys)
+    assert code == 0, err  # the corrected command runs in the same directory
