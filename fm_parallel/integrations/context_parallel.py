@@ -46,11 +46,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fm_parallel.distributed.context import CP_MODES, ContextParallel
-from fm_parallel.distributed.sharding import BALANCE_MODES, length_multiple, shard
+from fm_parallel.distributed.context import CP_MODES
+from fm_parallel.distributed.layout import CPLayout
+from fm_parallel.distributed.sharding import BALANCE_MODES
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["ContextParallelConfig", "ContextParallelMixin", "context_parallel"]
+__all__ = ["ContextParallelConfig", "ContextParallelMixin", "context_parallel", "batch_row", "row_mask", "shifted"]
 
 # Keys a batch may carry besides the ones read below: flash-attn's maxima (derived from cu_seq_lens).
 _IGNORED_KEYS = ("max_length_q", "max_length_k", "seq_idx", "use_cache")
@@ -107,45 +108,13 @@ class ContextParallelConfig:
         return {"ring": 1, "ulysses": self.degree, "hybrid": 2 if self.ulysses_degree is None else self.ulysses_degree}[self.mode]
 
 
-class _Layout:
-    """Where this rank sits: ``world = dp x degree``, mesh dims ("dp", "ring", "ulysses") row-major,
-    so ``dp_rank = rank // degree`` and ``cp_rank = rank % degree`` (the plan's rank)."""
-
-    def __init__(self, cfg: ContextParallelConfig):
-        self.cfg = cfg
-        self.world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        if self.world % cfg.degree:
-            raise ValueError(f"cp.degree: expected a divisor of the {self.world} ranks (WORLD_SIZE), got {cfg.degree}")
-        self.dp, self.dp_rank, self.cp_rank = self.world // cfg.degree, rank // cfg.degree, rank % cfg.degree
-        self.group = self.mesh = None
-        self.groups = None  # the groups the batch agreement runs over (hybrid: Ulysses then ring)
-        if cfg.degree > 1:
-            from fm_parallel.distributed.dims import ParallelDims
-
-            uly = cfg.ulysses
-            # Groups of their own (not the world's): DDP's gradient all-reduce and the CP collectives never share one.
-            mesh = ParallelDims(self.world, ring=cfg.degree // uly, ulysses=uly).build_mesh("cuda" if torch.cuda.is_available() else "cpu")
-            if cfg.mode == "hybrid":
-                self.mesh = mesh["ring", "ulysses"]
-                self.groups = [self.mesh.get_group("ulysses"), self.mesh.get_group("ring")]
-            else:
-                self.group = mesh["ulysses" if cfg.mode == "ulysses" else "ring"].get_group()
-                self.groups = [self.group]
-
-    def context(self, plan) -> ContextParallel:
-        hybrid = self.cfg.mode == "hybrid"
-        return ContextParallel(self.cfg.mode, plan, group=None if hybrid else self.group, mesh=self.mesh if hybrid else None,
-                               impl=self.cfg.impl)
-
-    def cp_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` summed over the CP group, differentiable (each rank's gradient is the sum's: with the
-        loss replicated on the group, DDP's mean over the world then gives the one-process gradient)."""
-        import torch.distributed.nn.functional as dfn
-
-        for g in self.groups or ():
-            x = dfn.all_reduce(x, group=g)
-        return x
+def _layout(cfg: ContextParallelConfig) -> CPLayout:
+    """This rank's :class:`~fm_parallel.distributed.layout.CPLayout` (the trainer's too) for ``cfg``,
+    its degree checked against the launched ranks first (naming ``cp.degree``)."""
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world % cfg.degree:
+        raise ValueError(f"cp.degree: expected a divisor of the {world} ranks (WORLD_SIZE), got {cfg.degree}")
+    return CPLayout(cfg.mode, cfg.degree, ulysses=cfg.ulysses, balance=cfg.balance, impl=cfg.impl)
 
 
 def _digest(t) -> int:
@@ -171,18 +140,6 @@ def _by_rank(message: str) -> str:
     codes = [c.strip(" '") for c in found.group(1).split(",")]
     shown = ", ".join("same as rank 0" if c == codes[0] else "different" for c in codes)
     return message[: found.start()] + f"got [{shown}] (by rank of the group)" + message[found.end():]
-
-
-def _pad_mask(mask: FlashMask, n: int) -> FlashMask:
-    """``mask`` over ``n >= mask.num_rows`` tokens; each added token sees only itself (a document of
-    its own, so no real row sees it and its own row is not empty)."""
-    b, h, old, m = mask.fms.shape
-    if n == old:
-        return mask
-    cols = torch.arange(old, n, dtype=torch.int32, device=mask.device).view(1, 1, -1, 1).expand(b, h, -1, 1)
-    fms = torch.cat([cols, torch.full((b, h, n - old, m - 1), n, dtype=torch.int32, device=mask.device)], -1)
-    fme = torch.cat([cols, torch.full((b, h, n - old, m - 1), -1, dtype=torch.int32, device=mask.device)], -1)
-    return FlashMask(torch.cat([mask.fms, fms], 2), torch.cat([mask.fme, fme], 2), n, validate=False)
 
 
 def row_mask(inputs: dict, causal: bool = True) -> FlashMask:
@@ -233,6 +190,15 @@ def shifted(inputs: dict, name: str = "labels", fill: int = -100) -> torch.Tenso
     return out
 
 
+def batch_row(inputs: dict, causal: bool = True) -> tuple[FlashMask, torch.Tensor]:
+    """A Hugging Face batch as the row both front doors compute on: its FlashMask ``[B, 1|H, N]``
+    (:func:`row_mask`: the collator's ``flashmask`` / ``fms``+``fme``, else ``cu_seq_lens_k``, else
+    restarting ``position_ids``, else causal; a 2-D padding ``attention_mask`` folded in) and its
+    labels shifted on the whole row, per document (:func:`shifted`; -100 where nothing is predicted).
+    Shard both with :meth:`fm_parallel.distributed.layout.CPLayout.shard_row`."""
+    return row_mask(inputs, causal), shifted(inputs)
+
+
 @dataclass
 class _Row:
     """One micro-batch as this rank computes on it. ``model_inputs``: what the model is called with
@@ -265,7 +231,7 @@ class ContextParallelMixin:
         super().__init__(*args, **kwargs)
         self.cp = cp
         self._check_arguments()
-        self.cp_layout = _Layout(cp)
+        self.cp_layout = _layout(cp)
 
     def _check_arguments(self) -> None:
         """Refuse, by name, what would be silently wrong under this wrapper's loss and sampling."""
@@ -365,33 +331,21 @@ class ContextParallelMixin:
         ids = inputs["input_ids"]
         device = ids.device
         b, n = ids.shape
-        mask = row_mask(inputs)
-        targets = shifted(inputs).to(device)
         segment = sample = None
         samples = 0
         if inputs.get("fm_segment") is not None:
-            segment, sample = shifted(inputs, "fm_segment", -1).to(device), shifted(inputs, "fm_sample", -1).to(device)
+            segment, sample = shifted(inputs, "fm_segment", -1), shifted(inputs, "fm_sample", -1)
             samples = int(inputs["fm_sample"].max()) + 1
         positions = inputs.get("position_ids")
         positions = torch.arange(n, device=device).expand(b, n) if positions is None else positions.to(device).expand(b, n)
-        if cfg.degree == 1:
-            model_inputs = {"input_ids": ids, "position_ids": positions, "flashmask": mask}
-            return _Row(model_inputs, targets, segment, sample, samples)
-        multiple = length_multiple(cfg.degree, cfg.balance)
-        pad = -n % multiple
-        if pad:  # padding: its own documents, no targets
-            ids = F.pad(ids, (0, pad))
-            targets = F.pad(targets, (0, pad), value=-100)
-            positions = torch.cat([positions, torch.arange(pad, device=device).expand(b, pad)], 1)
-            segment = None if segment is None else F.pad(segment, (0, pad), value=-1)
-            sample = None if sample is None else F.pad(sample, (0, pad), value=-1)
-            mask = _pad_mask(mask, n + pad)
-        plan = shard(mask, cfg.degree, cfg.balance)
-        ctx = lay.context(plan)
-        prepared = ctx.prepare(mask, device=device)  # collective: once per micro-batch, every layer reuses it
-        part = lambda t: None if t is None else plan.shard(t, lay.cp_rank, dim=1)  # noqa: E731
-        model_inputs = {"input_ids": part(ids), "position_ids": part(positions), "flashmask": prepared, "fm_context": ctx}
-        return _Row(model_inputs, part(targets), part(segment), part(sample), samples)
+        mask, labels = batch_row(inputs)
+        fields = {"input_ids": ids, "labels": labels, "positions": positions, "segment": segment, "sample": sample}
+        row = lay.shard_row(mask, fields, device)
+        t = row.tensors
+        model_inputs = {"input_ids": t["input_ids"], "position_ids": t["positions"], "flashmask": row.mask}
+        if row.ctx is not None:
+            model_inputs["fm_context"] = row.ctx
+        return _Row(model_inputs, t["labels"], t["segment"], t["sample"], samples)
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -29,24 +29,11 @@ from transformers import Trainer
 from fm_parallel.integrations import transformers as fm_hf
 from fm_parallel.integrations.collator import FlashMaskCollator, response_logps
 from fm_parallel.integrations.world import check_trainer_world
+from fm_parallel.preference import dpo_loss  # noqa: F401 - this module's public name since issue 24, written in preference.py
 
 __all__ = ["FlashMaskDPOTrainer", "dpo_loss"]
 
 _MODEL_KEYS = ("input_ids", "position_ids", "flashmask")
-
-
-def dpo_loss(policy: torch.Tensor, reference: torch.Tensor, beta: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The sigmoid DPO loss of ``policy`` / ``reference`` log-probabilities ``[samples, 2]`` (column 0
-    chosen, 1 rejected): ``(losses [samples], metrics)``, the metrics per sample and detached, named as
-    TRL's ``DPOTrainer`` logs them (``rewards/chosen`` = beta * (pi - ref) of the chosen response, ...)."""
-    chosen = policy[:, 0] - reference[:, 0]
-    rejected = policy[:, 1] - reference[:, 1]
-    losses = -F.logsigmoid(beta * (chosen - rejected))
-    r_chosen, r_rejected = beta * chosen.detach(), beta * rejected.detach()
-    metrics = {"rewards/chosen": r_chosen, "rewards/rejected": r_rejected, "rewards/margins": r_chosen - r_rejected,
-               "rewards/accuracies": (r_chosen > r_rejected).to(r_chosen.dtype),
-               "logps/chosen": policy[:, 0].detach(), "logps/rejected": policy[:, 1].detach()}
-    return losses, metrics
 
 
 def _check_attention(model, name: str) -> None:

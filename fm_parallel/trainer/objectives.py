@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fm_parallel.logprobs import response_sums, token_logps
+from fm_parallel.preference import dpo_loss
 from fm_parallel.trainer.config import Config
 from fm_parallel.trainer.data import DPO_FIELDS, SFT_FIELDS, Row, check_dpo_sample, dpo_rows, sft_rows, validate_jsonl
 from fm_parallel.trainer.model import hidden_states
@@ -145,27 +146,27 @@ class DPO(Objective):
         return response_sums(logps, batch.segment, batch.sample, samples=batch.samples, responses=2,
                              scored=batch.labels >= 0)
 
-    def margins(self, model, batch, layout) -> torch.Tensor:
-        """``[samples]``: (policy - reference) log-ratio of chosen minus that of rejected, the whole row's
-        (summed over the CP ranks, the same on each)."""
+    def logps(self, model, batch, layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(policy, reference)``, each ``[samples, 2]``: the whole row's summed log-probabilities of each
+        sample's chosen and rejected responses (summed over the CP ranks, the same on each)."""
         policy = self.response_logps(model, batch)
         with torch.no_grad(), model.disable_adapter():
             reference = self.response_logps(model, batch)
-        policy, reference = layout.cp_sum(policy), layout.cp_sum(reference)
-        return (policy[:, 0] - reference[:, 0]) - (policy[:, 1] - reference[:, 1])
+        return layout.cp_sum(policy), layout.cp_sum(reference)
 
     def loss(self, model, batch, layout):
-        margin = self.margins(model, batch, layout)
+        losses, _ = dpo_loss(*self.logps(model, batch, layout), self.cfg.training.dpo_beta)
         # Each CP rank holds the same per-sample sums; 1/cp makes the world-summed gradient exact.
-        return -F.logsigmoid(self.cfg.training.dpo_beta * margin).sum() / layout.cp
+        return losses.sum() / layout.cp
 
     # TRL's rewards/accuracies (chosen reward above rejected) and rewards/margins, per sample.
     EVAL_SUMS = ("loss", "count", "reward_accuracy", "reward_margin")
 
     def eval_sums(self, model, batch, layout):
-        margin, beta, cp = self.margins(model, batch, layout), self.cfg.training.dpo_beta, layout.cp
-        return {"loss": -F.logsigmoid(beta * margin).sum() / cp, "count": torch.tensor(margin.numel() / cp),
-                "reward_accuracy": (margin > 0).sum() / cp, "reward_margin": (beta * margin).sum() / cp}
+        losses, metrics = dpo_loss(*self.logps(model, batch, layout), self.cfg.training.dpo_beta)
+        cp = layout.cp
+        return {"loss": losses.sum() / cp, "count": torch.tensor(losses.numel() / cp),
+                "reward_accuracy": metrics["rewards/accuracies"].sum() / cp, "reward_margin": metrics["rewards/margins"].sum() / cp}
 
 
 OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (SFT, DPO)}

@@ -1,10 +1,11 @@
-"""The trainer's parallel layout: the process group, the (dp, ring, ulysses) mesh, and one row sharded
-into the batch a context-parallel rank computes on.
+"""The trainer's parallel layout: the process group, the config's CP keys checked against the world,
+and one row sharded into the batch a context-parallel rank computes on.
 
 World = data parallel x context parallel. Data-parallel rank ``d`` takes rows ``d, d + dp, ...`` of
-every step; the CP ranks of one row each take their shard of it (:class:`ShardPlan`). The CP mode
-(ring, Ulysses, hybrid, none) is decided here and nowhere else: the rest of the trainer asks the
-:class:`Layout` for a context and for sums over the CP ranks.
+every step; the CP ranks of one row each take their shard of it. The mesh, its groups, the row's
+context, the sums over a CP group and the sharding are :class:`~fm_parallel.distributed.layout.CPLayout`'s,
+the same object the Hugging Face trainers use; the trainer's CP mode (ring, Ulysses, hybrid, none)
+is decided here and nowhere else of the trainer.
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fm_parallel.distributed import ParallelDims, shard
 from fm_parallel.distributed.context import ContextParallel
+from fm_parallel.distributed.layout import CPLayout
 from fm_parallel.distributed.prepared import PreparedMask
 from fm_parallel.distributed.sharding import length_multiple
 from fm_parallel.masks.flashmask import FlashMask
 from fm_parallel.trainer.config import Config, ConfigError
 from fm_parallel.trainer.data import Row
 
-__all__ = ["init_distributed", "Layout", "layout", "Batch", "prepare_batch", "device"]
+__all__ = ["init_distributed", "layout", "Batch", "prepare_batch", "device"]
 
 
 def init_distributed(timeout_s: float) -> None:
@@ -53,50 +54,11 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-@dataclass
-class Layout:
-    """Where this rank sits. ``group``: the CP process group (ring, Ulysses), or for hybrid the
-    ``("ring", "ulysses")`` sub-mesh; ``dp_rank`` / ``cp_rank``: this rank's indices."""
-
-    mode: str
-    dims: ParallelDims
-    mesh: object
-    group: object
-    dp_rank: int
-    cp_rank: int
-    cfg: Config
-
-    @property
-    def cp(self) -> int:
-        return self.dims.cp
-
-    @property
-    def dp(self) -> int:
-        return self.dims.dp
-
-    def context(self, plan) -> ContextParallel:
-        """The row's :class:`ContextParallel` (a new one per row: its plan is the row's)."""
-        p = self.cfg.parallel
-        hybrid = self.mode == "hybrid"
-        return ContextParallel(self.mode, plan, group=None if hybrid else self.group, mesh=self.group if hybrid else None,
-                               impl=p.impl or None, cuda_graphs=p.cuda_graphs)
-
-    def cp_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` summed over the row's CP ranks, differentiable (each rank gets the sum's gradient)."""
-        import torch.distributed.nn.functional as dfn
-
-        if self.cp == 1:
-            return x
-        if self.mode == "hybrid":
-            x = dfn.all_reduce(x, group=self.group.get_group("ulysses"))
-            return dfn.all_reduce(x, group=self.group.get_group("ring"))
-        return dfn.all_reduce(x, group=self.group)
-
-
-def layout(cfg: Config) -> Layout:
-    """The layout of the configured run over the current process group; the rules between the CP
-    keys and the world are checked here, on every rank, before any model is built."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+def layout(cfg: Config) -> CPLayout:
+    """The run's :class:`~fm_parallel.distributed.layout.CPLayout` (the one both front doors use) over
+    the current process group; the rules between the CP keys and the world are checked here, naming
+    the keys, on every rank, before any model is built."""
+    world = dist.get_world_size()
     mode = cfg.parallel.cp
     cp = world if cfg.parallel.cp_degree == -1 else cfg.parallel.cp_degree
     if mode == "none":
@@ -119,16 +81,8 @@ def layout(cfg: Config) -> Layout:
     if cfg.parallel.cuda_graphs and cp == 1:
         raise ConfigError("parallel.cuda_graphs: expected a CP degree above 1 (it captures the ring's layers), got 1 "
                           f"(cp {mode} over {world} rank{'s' if world > 1 else ''})")
-    dims = ParallelDims(world, ring=cp // uly, ulysses=uly)
-    mesh = dims.build_mesh("cuda" if torch.cuda.is_available() else "cpu")
-    if mode == "hybrid":
-        group = mesh["ring", "ulysses"]
-    elif mode == "ulysses":
-        group = mesh["ulysses"].get_group()
-    else:
-        group = mesh["ring"].get_group()
-    # mesh dims are (dp, ring, ulysses), row-major
-    return Layout(mode, dims, mesh, group, dp_rank=rank // cp, cp_rank=rank % cp, cfg=cfg)
+    return CPLayout(mode, cp, ulysses=uly, balance=cfg.parallel.balance, impl=cfg.parallel.impl or None,
+                    cuda_graphs=cfg.parallel.cuda_graphs)
 
 
 @dataclass
@@ -150,19 +104,13 @@ class Batch:
     samples: int
 
 
-def prepare_batch(row: Row, lay: Layout, cfg: Config, dev: torch.device) -> Batch:
-    """Move ``row`` to ``dev`` and, under CP, shard it and prepare its mask (one collective)."""
+def prepare_batch(row: Row, lay: CPLayout, cfg: Config, dev: torch.device) -> Batch:
+    """Move ``row`` to ``dev`` and, under CP, shard it and prepare its mask (one collective):
+    :meth:`CPLayout.shard_row`, the same as the Hugging Face trainers'."""
     n = cfg.data.seq_len
-    tensors = [t.view(1, n).to(dev) for t in (row.input_ids, row.labels, row.positions, row.segment, row.sample)]
-    ctx = None
-    if lay.cp > 1:
-        plan = shard(row.mask, lay.cp, cfg.parallel.balance)
-        ctx = lay.context(plan)
-        # The step's mask prepared once, from the loader's host mask (its digest hashed there, the ranks'
-        # agreement, the pair table, column masks; launch plans on the first layer); every layer of the
-        # policy and reference passes, forward and backward, reuses it.
-        mask = ctx.prepare(row.mask, device=dev)
-        tensors = [plan.shard(t, lay.cp_rank, dim=1) for t in tensors]
-    else:
-        mask = row.mask.to(dev)
-    return Batch(*tensors, mask=mask, ctx=ctx, impl=cfg.parallel.impl or "auto", samples=int(row.sample.max()) + 1)
+    fields = {"input_ids": row.input_ids, "labels": row.labels, "positions": row.positions, "segment": row.segment,
+              "sample": row.sample}
+    sharded = lay.shard_row(row.mask, {k: t.view(1, n) for k, t in fields.items()}, dev)
+    t = sharded.tensors
+    return Batch(t["input_ids"], t["labels"], t["positions"], t["segment"], t["sample"], mask=sharded.mask, ctx=sharded.ctx,
+                 impl=cfg.parallel.impl or "auto", samples=int(row.sample.max()) + 1)

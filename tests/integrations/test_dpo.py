@@ -178,13 +178,13 @@ def test_dpo_trainer_equals_the_fm_parallel_trainers_dpo_objective(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-    from fm_parallel.distributed.dims import ParallelDims
+    from fm_parallel.distributed.layout import CPLayout
     from fm_parallel.integrations import transformers as fm_hf
     from fm_parallel.integrations.dpo import FlashMaskDPOTrainer
     from fm_parallel.trainer.config import load_config
     from fm_parallel.trainer.data import ByteTokenizer, dpo_rows
     from fm_parallel.trainer.objectives import DPO
-    from fm_parallel.trainer.parallel import Layout, prepare_batch
+    from fm_parallel.trainer.parallel import prepare_batch
 
     data = tmp_path / "pairs.jsonl"
     records = [{"prompt": "def f(x):", "chosen": " return x", "rejected": " pass"},
@@ -201,7 +201,7 @@ def test_dpo_trainer_equals_the_fm_parallel_trainers_dpo_objective(tmp_path):
     torch.manual_seed(1)
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     model.eval()
-    lay = Layout("none", ParallelDims(1), None, None, 0, 0, cfg)
+    lay = CPLayout("none")
     with torch.no_grad():
         want = DPO(cfg).loss(model, prepare_batch(row, lay, cfg, torch.device("cpu")), lay) / (int(row.sample.max()) + 1)
 
