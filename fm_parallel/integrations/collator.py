@@ -16,7 +16,9 @@ Examples (one kind per batch; token ids in ``[0, vocab_size)``):
   or the input id at each position, unshifted) marks which tokens are scored (completion-only SFT).
 * ``{"prompt_ids": [...], "response_ids": [[...], [...], ...]}``: one prompt, k responses that each see
   the prompt and themselves, never each other (``{"prompt_ids", "chosen_ids", "rejected_ids"}`` is the
-  DPO form, k = 2; k is the same for every example of a batch). Responses get the ``position_ids``
+  DPO form, k = 2; k is the same for every example of a batch; a reward model's K-wise form adds
+  ``"scores": [...]``, one number per response, which the batch carries as ``fm_scores [samples, k]``).
+  Responses get the ``position_ids``
   they would have after the prompt alone. Only with ``preference=True`` (``FlashMaskDPOTrainer`` sets it):
   a plain ``Trainer`` cannot train these rows, whatever its attention.
 
@@ -41,7 +43,7 @@ import torch
 from fm_parallel import logprobs, masks
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["FlashMaskCollator", "response_logps"]
+__all__ = ["FlashMaskCollator", "response_logps", "response_ends"]
 
 
 def _ids(value, where: str, vocab_size: int | None = None) -> list[int]:
@@ -108,6 +110,8 @@ class FlashMaskCollator:
             clash = [k for k in ("input_ids", "labels", "prefix_len") if k in example]
             if "response_ids" in example:
                 clash += [k for k in ("chosen_ids", "rejected_ids") if k in example]
+            elif "scores" in example:
+                clash += ["scores"]  # the pair form ranks chosen over rejected already
             if clash:
                 raise ValueError(f"{where}: expected the fields of one form (prompt_ids + response_ids, or prompt_ids + "
                                  f"chosen_ids + rejected_ids; the collator makes the labels), got also {clash}")
@@ -121,6 +125,8 @@ class FlashMaskCollator:
                 responses = [ids_of(k, example.get(k)) for k in ("chosen_ids", "rejected_ids")]
             if any(len(r) == 0 for r in responses):
                 raise ValueError(f"{where}: expected non-empty responses, got lengths {[len(r) for r in responses]}")
+            if "scores" in example:
+                _scores(example["scores"], f"{where}['scores']", len(responses))
             return "preference", [prompt] + responses, len(prompt)
         if "input_ids" in example:
             ids = ids_of("input_ids", example["input_ids"])
@@ -178,6 +184,11 @@ class FlashMaskCollator:
             if odd is not None:  # a batch has one layout: [samples, responses] log-probs, one DPO pairing
                 raise ValueError(f"examples[{odd}]: expected {counts[0]} responses like examples[0] (one response count "
                                  f"per batch), got {counts[odd]}")
+            scored = ["scores" in e for e in examples]
+            if any(scored) and not all(scored):  # one ranking form per batch: a row's scores table is [samples, K]
+                odd = scored.index(not scored[0])
+                raise ValueError(f"examples[{odd}]: expected 'scores' {'like' if scored[0] else 'unlike'} examples[0] (one "
+                                 f"ranking form per batch), got {'none' if scored[0] else 'scores'}")
         rows = self._rows(parsed)
         n = self.seq_len or sum(len(s) for _, segs, _ in parsed for s in segs)
         out = {name: [] for name in ("input_ids", "labels", "position_ids", "fm_segment", "fm_sample")}
@@ -221,9 +232,44 @@ class FlashMaskCollator:
                 row_masks.append(masks.preference(lengths, extra, n=n))
         batch = {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}
         batch["flashmask"] = row_masks[0] if len(row_masks) == 1 else masks.stack(row_masks)
+        if kind == "preference" and "scores" in examples[0]:
+            # [samples, K] in the order of response_logps' table: a row's samples, then the next row's
+            # (every row padded to the batch's most samples with NaN: no pair is made from those)
+            most = max(len(m) for m in rows)
+            table = torch.full((len(rows) * most, counts[0]), float("nan"), dtype=torch.float64)
+            for r, members in enumerate(rows):
+                for s, i in enumerate(members):
+                    table[r * most + s] = torch.tensor([float(x) for x in examples[i]["scores"]], dtype=torch.float64)
+            batch["fm_scores"] = table
         if kind == "document":
             del batch["fm_segment"], batch["fm_sample"]
         return batch
+
+
+def _scores(value, where: str, responses: int) -> list[float]:
+    """A preference example's ``scores``: one finite number per response, not all equal (a ranking)."""
+    import math
+
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if (not isinstance(value, Sequence) or isinstance(value, str)
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value)):
+        raise ValueError(f"{where}: expected a list of finite numbers, one per response, got {value!r}")
+    if len(value) != responses:
+        raise ValueError(f"{where}: expected {responses} scores (one per response), got {len(value)}")
+    if responses < 2 or len(set(value)) == 1:
+        raise ValueError(f"{where}: expected at least two responses with different scores (a ranking to learn), got {list(value)}")
+    return list(value)
+
+
+def response_ends(segment: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+    """``[B, N]`` bool: the last token of each response (``segment >= 1``) of a preference row, where a
+    reward model reads its scalar reward (the last token of prompt + response, as a sequence
+    classifier does on the response alone). ``segment`` / ``sample``: the batch's ``fm_segment`` /
+    ``fm_sample``, unshifted."""
+    nxt_seg = torch.cat([segment[:, 1:], torch.full_like(segment[:, :1], -1)], 1)
+    nxt_smp = torch.cat([sample[:, 1:], torch.full_like(sample[:, :1], -1)], 1)
+    return (segment >= 1) & ((nxt_seg != segment) | (nxt_smp != sample))
 
 
 def response_logps(logits: torch.Tensor, batch: dict, responses: int | None = None) -> torch.Tensor:

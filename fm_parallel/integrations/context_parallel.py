@@ -308,8 +308,10 @@ class ContextParallelMixin:
         return total
 
     # ------------------------------------------------------------------ one row
-    def _cp_row(self, inputs: dict) -> _Row:
-        """Shard one micro-batch (see the module docstring, steps 1-4)."""
+    def _cp_row(self, inputs: dict, shift: bool = True) -> _Row:
+        """Shard one micro-batch (see the module docstring, steps 1-4). ``shift=False``: ``labels``,
+        ``fm_segment`` and ``fm_sample`` are taken as they are (per position, not per target: the reward
+        model reads each response's last token itself)."""
         lay, cfg = self.cp_layout, self.cp
         unknown = sorted(k for k in inputs if k not in _READ_KEYS and k not in _IGNORED_KEYS)
         problem = (f"inputs: expected only the keys {list(_READ_KEYS)} (and {list(_IGNORED_KEYS)}) with cp=, got {unknown} "
@@ -334,11 +336,12 @@ class ContextParallelMixin:
         segment = sample = None
         samples = 0
         if inputs.get("fm_segment") is not None:
-            segment, sample = shifted(inputs, "fm_segment", -1), shifted(inputs, "fm_sample", -1)
+            take = (lambda name, fill: inputs[name]) if not shift else (lambda name, fill: shifted(inputs, name, fill))  # noqa: E731
+            segment, sample = take("fm_segment", -1), take("fm_sample", -1)
             samples = int(inputs["fm_sample"].max()) + 1
         positions = inputs.get("position_ids")
         positions = torch.arange(n, device=device).expand(b, n) if positions is None else positions.to(device).expand(b, n)
-        mask, labels = batch_row(inputs)
+        mask, labels = batch_row(inputs) if shift else (row_mask(inputs), inputs["labels"])
         fields = {"input_ids": ids, "labels": labels, "positions": positions, "segment": segment, "sample": sample}
         row = lay.shard_row(mask, fields, device)
         t = row.tensors
@@ -411,6 +414,40 @@ class _ContextParallelDPO(ContextParallelMixin):
         return self.dpo_step(model, row.model_inputs, logps, return_outputs)
 
 
+class _ContextParallelRM(ContextParallelMixin):
+    """:class:`fm_parallel.integrations.reward.FlashMaskRewardTrainer` under CP: each rank runs the
+    score head on its tokens and keeps the responses' last tokens it holds, the per-response rewards
+    are added over the CP group (differentiable: the rank holding a last token gets its gradient), and
+    the replicated Bradley-Terry loss follows (the mean over the micro-batch's ranked pairs)."""
+
+    loss_is_scaled_for_ga = False  # a mean over this micro-batch's pairs, as FlashMaskRewardTrainer's
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        return None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        from fm_parallel import logprobs
+        from fm_parallel.integrations.collator import response_ends
+        from fm_parallel.integrations.dpo import check_preference_rows
+
+        check_preference_rows(inputs)
+        self._check_attention_now(model)
+        responses = int(inputs["fm_segment"].max())
+        ends = response_ends(inputs["fm_segment"], inputs["fm_sample"])
+        # The positions whose reward is read travel as the row's labels (1 there, -100 elsewhere): sharded
+        # with the tokens; the scores table is per sample and stays whole on every rank.
+        rows = {k: v for k, v in inputs.items() if k != "fm_scores"}
+        rows["labels"] = torch.where(ends, 1, -100)
+        row = self._cp_row(rows, shift=False)
+
+        def rewards(values):
+            sums = logprobs.response_sums(values, row.segment, row.sample, samples=row.samples, responses=responses,
+                                          scored=row.targets >= 0)
+            return self.cp_layout.cp_sum(sums)
+
+        return self.reward_step(model, row.model_inputs, rewards, inputs, return_outputs)
+
+
 @functools.lru_cache(maxsize=None)
 def context_parallel(trainer_class: type) -> type:
     """``trainer_class`` (``Trainer``, TRL's ``SFTTrainer``, ``FlashMaskDPOTrainer``, a subclass) with the
@@ -418,10 +455,12 @@ def context_parallel(trainer_class: type) -> type:
     from transformers import Trainer
 
     from fm_parallel.integrations.dpo import FlashMaskDPOTrainer
+    from fm_parallel.integrations.reward import FlashMaskRewardTrainer
 
     if not isinstance(trainer_class, type) or not issubclass(trainer_class, Trainer):
         raise ValueError(f"trainer_class: expected a transformers.Trainer subclass, got {trainer_class!r}")
     if issubclass(trainer_class, ContextParallelMixin):
         return trainer_class
-    mixin = _ContextParallelDPO if issubclass(trainer_class, FlashMaskDPOTrainer) else ContextParallelMixin
+    mixin = (_ContextParallelDPO if issubclass(trainer_class, FlashMaskDPOTrainer)
+             else _ContextParallelRM if issubclass(trainer_class, FlashMaskRewardTrainer) else ContextParallelMixin)
     return type(f"ContextParallel{trainer_class.__name__}", (mixin, trainer_class), {"__module__": __name__})
