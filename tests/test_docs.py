@@ -164,6 +164,10 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
                 ('TORCHRUN = "torchrun --standalone --nproc_per_node 2 launch/examples/{} --cp-degree 2 --steps 3"',
                  f'("{script}", "{extra}")'))
        for script, extra in CP_LINES},
+    ("docs/huggingface.md", "from fm_parallel.integrations.reward import FlashMaskRewardTrainer"):
+        Skip(TESTED, "the reader's model folder, examples and arguments; the test trains both forms, LoRA and full, "
+             "and under cp= on 2 processes", "tests/integrations/test_reward.py::test_per_step_losses_equal_trls_reward_trainer_on_the_pairs_unpacked",
+             ("FlashMaskRewardTrainer(model=", "context_parallel(FlashMaskRewardTrainer)", 'task_type="SEQ_CLS"', '"scores"')),
     ("docs/huggingface.md", "import deepspeed"):
         Skip(TESTED, "deepspeed.init_distributed and 2 processes; the reader's ds_config, rows and collator",
              "tests/integrations/test_deepspeed_alst.py::test_alst_in_the_hf_trainer_equals_one_process",
@@ -306,6 +310,11 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
     # ---------------------------------------------------------------- docs/training.md
     ("docs/training.md", SFT): Skip(SAME, "the README's main job (run there, in the same clone)", ("README.md", MAIN_JOB)),
     ("docs/training.md", DPO): Run({"FM_TRAINING__STEPS": "2"}, expect="summary:"),
+    ("docs/training.md", "torchrun --nproc_per_node 4 launch/train.py --config launch/configs/cpu_full_sft.toml "
+                         "--parallel.cp ring --parallel.cp_degree 2"):
+        Run({"FM_TRAINING__STEPS": "3", "FM_EVAL__ROWS": "1"}, expect="model: runs/cpu_full_sft/model"),
+    ("docs/training.md", "python launch/train.py --config launch/configs/cpu_rm.toml"):
+        Run({"FM_TRAINING__STEPS": "12"}, expect="eval loss"),
     ("docs/training.md", HYBRID): Run({"FM_DATA__SEQ_LEN": "512", "FM_OUTPUT__STOP_AFTER": "2"}, timeout=300),
     ("docs/training.md", f"{SFT} --resume"): Run(SMALL_SFT, after=(("README.md", MAIN_JOB),), expect="resumed from"),
     ("docs/training.md", "python launch/train.py --nproc_per_node 2 --config launch/configs/cpu_sft.toml --output.overwrite true"):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from fm_parallel.trainer import runs
 from fm_parallel.trainer.config import Config, ConfigError
-from fm_parallel.trainer.export import export_adapter
+from fm_parallel.trainer.export import export_adapter, export_model
 from fm_parallel.trainer.optimizer import SCHEDULE_KEYS, learning_rate
 
 __all__ = ["checkpoint_dir", "save", "load", "resume", "check_schedule", "publish_adapter", "SCHEDULE_FILE"]
@@ -44,9 +44,12 @@ def save(cfg: Config, model, optim, step: int, rows_done: int, rows_per_step: in
     dcp.save({"model": model_sd, "optim": optim_sd, "progress": progress}, checkpoint_id=str(path))
     rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     torch.save(rng, path / f"rng_rank{dist.get_rank()}.pt")
+    if cfg.model.finetune == "full":  # every rank gives its shards of the whole model
+        export_model(model, path / "model", cfg, tokenizer, step)
     if dist.get_rank() == 0:  # LoRA weights are the same on every rank (gradients are all-reduced)
         (path / SCHEDULE_FILE).write_text(json.dumps(_schedule(cfg), indent=1))
-        export_adapter(model, path / "adapter", cfg, tokenizer, step)
+        if cfg.model.finetune != "full":
+            export_adapter(model, path / "adapter", cfg, tokenizer, step)
     dist.barrier()
     if dist.get_rank() == 0:
         runs.write_checksums(path)
@@ -173,8 +176,9 @@ def publish_adapter(cfg: Config, saved: Path | None, say) -> None:
         return
     import shutil
 
-    final = Path(cfg.output.dir) / "adapter"
+    full = cfg.model.finetune == "full"
+    final = Path(cfg.output.dir) / ("model" if full else "adapter")
     if final.exists():
         shutil.rmtree(final)
-    shutil.copytree(saved / "adapter", final)
-    say(f"adapter: {final} (PeftModel.from_pretrained)")
+    shutil.copytree(saved / final.name, final)
+    say(f"model: {final} (from_pretrained)" if full else f"adapter: {final} (PeftModel.from_pretrained)")

@@ -53,8 +53,13 @@ class ModelConfig:
     heads: int = _key(4, "query heads of the built Llama", low=1)
     kv_heads: int = _key(2, "key/value heads of the built Llama (divides heads)", low=1)
     intermediate_size: int = _key(688, "MLP width of the built Llama", low=1)
-    dtype: str = _key("auto", "parameter dtype; auto: bfloat16 on GPU, float32 on CPU",
+    dtype: str = _key("auto", "parameter dtype; auto: bfloat16 on GPU, float32 on CPU; finetune full: float32 "
+                              "master weights (bfloat16 compute on a GPU)",
                       choices=("auto", "float32", "bfloat16", "float64"))
+    finetune: str = _key("lora", "lora (peft adapters on a frozen base) | full (every weight trained, sharded with "
+                                 "FSDP2 over every rank, data and context parallel)", choices=("lora", "full"))
+    offload_optimizer: bool = _key(False, "finetune full: parameters, gradients and AdamW state in host memory (FSDP2's "
+                                          "CPUOffloadPolicy; the optimizer steps on the CPU)")
     lora_rank: int = _key(16, "LoRA rank", low=1)
     lora_alpha: int = _key(32, "LoRA alpha (scale = alpha / rank)", low=1)
     lora_targets: str = _key("q_proj,k_proj,v_proj,o_proj", "comma-separated module names that get LoRA adapters")
@@ -87,9 +92,11 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    objective: str = _key("sft", "sft (packed documents) | dpo (packed preference samples)", choices=("sft", "dpo"),
-                          choices_text="'sft' or 'dpo'")
-    path: str = _key("", 'JSONL file ({"text"} for sft, {"prompt","chosen","rejected"} for dpo); empty: the stdlib corpus')
+    objective: str = _key("sft", "sft (packed documents) | dpo (packed preference samples) | rm (a reward model on "
+                          "packed samples of one prompt and K ranked responses)", choices=("sft", "dpo", "rm"),
+                          choices_text="'sft', 'dpo' or 'rm'")
+    path: str = _key("", 'JSONL file ({"text"} for sft, {"prompt","chosen","rejected"} for dpo and rm, or '
+                         '{"prompt","responses":[...],"scores":[...]} for rm); empty: the stdlib corpus')
     tokenizer: str = _key("", "a local Hugging Face tokenizer folder; empty: bytes")
     seq_len: int = _key(2048, "tokens per packed row", low=2, high=2**31 - 1)
     max_doc_tokens: int = _key(0, "sft: split longer documents into pieces of at most this many tokens, each its own "
@@ -267,6 +274,15 @@ def _check_relations(cfg: Config) -> None:
             raise ConfigError(f"model.hidden_size: expected a multiple of model.heads = {m.heads}, got {m.hidden_size}")
     if not [t for t in m.lora_targets.split(",") if t.strip()]:
         raise ConfigError(f"model.lora_targets: expected at least one module name, got {m.lora_targets!r}")
+    if m.offload_optimizer and m.finetune != "full":
+        raise ConfigError("model.offload_optimizer: expected model.finetune = 'full' (it places the sharded weights and "
+                          "their AdamW state; LoRA's are small), got finetune 'lora'")
+    if m.finetune == "full" and m.memory_plan == "auto":
+        raise ConfigError("model.memory_plan: expected 'fixed' with model.finetune = 'full' (the plan counts adapters, "
+                          "not sharded weights, their gradients and AdamW state yet), got 'auto'")
+    if m.finetune == "full" and m.checkpoint_every != 1:
+        raise ConfigError(f"model.checkpoint_every: expected 1 with model.finetune = 'full' (a checkpoint spanning several "
+                          f"FSDP units would recompute layers whose weights are not gathered), got {m.checkpoint_every}")
     if m.compile == "on" and not m.tile_chunk:
         raise ConfigError("model.compile: expected model.tile_chunk > 0 with compile on (it compiles the tiled layers' "
                           "parts), got tile_chunk 0; set model.tile_chunk (e.g. 16384) or model.compile = 'auto'")
@@ -305,8 +321,8 @@ def model_dtype(cfg: Config, cuda: bool):
     on the CPU), as ``build_model`` makes them and the checks before the start count them."""
     import torch
 
-    return {"auto": torch.bfloat16 if cuda else torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
-            "float64": torch.float64}[cfg.model.dtype]
+    auto = torch.bfloat16 if cuda and cfg.model.finetune != "full" else torch.float32  # full: float32 master weights
+    return {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}[cfg.model.dtype]
 
 
 def _path_config(cfg: Config) -> dict | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import random
 import sysconfig
@@ -38,12 +39,15 @@ from fm_parallel import masks
 from fm_parallel.masks.flashmask import FlashMask
 
 __all__ = ["ByteTokenizer", "load_tokenizer", "Row", "sft_rows", "dpo_rows", "stdlib_texts", "validate_jsonl", "DataError",
-           "DPO_LAYOUTS", "SFT_FIELDS", "DPO_FIELDS", "check_dpo_sample"]
+           "DPO_LAYOUTS", "SFT_FIELDS", "DPO_FIELDS", "RM_FIELDS", "check_dpo_sample", "rm_sample", "rm_rows"]
 
 DPO_LAYOUTS = ("shared", "separate")
 # The string fields of one JSONL record, per row format (data.path's format).
 SFT_FIELDS = ("text",)
 DPO_FIELDS = ("prompt", "chosen", "rejected")
+# A reward model's record: {"prompt", "chosen", "rejected"} (the pair form) or {"prompt", "responses": [...],
+# "scores": [...]} (K >= 2 responses ranked by score); "prompt" is the string field every record holds.
+RM_FIELDS = ("prompt",)
 
 
 class DataError(ValueError):
@@ -80,18 +84,20 @@ def load_tokenizer(path: str = ""):
 
 @dataclass
 class Row:
-    """One packed row. ``segment``: per token, -1 padding; for DPO 0 prompt, 1 chosen, 2 rejected.
+    """One packed row. ``segment``: per token, -1 padding; for DPO 0 prompt, 1 chosen, 2 rejected; for a
+    reward model 0 prompt, ``r + 1`` response ``r``.
     ``sample``: per token, the index of its document (SFT) or sample (DPO) in the row, -1 padding.
     ``positions``: the position ids (rotary embeddings) of each token: the row's index for SFT; for
     DPO each response continues right after its prompt (the rejected response is not placed after
     the chosen one), as the collator does and as the separate layout has it by construction."""
 
     input_ids: torch.Tensor  # [N] int64
-    labels: torch.Tensor  # [N] int64, -100 where nothing is predicted
+    labels: torch.Tensor  # [N] int64, -100 where nothing is predicted (RM: 1 at each response's last token)
     mask: FlashMask  # [1, 1, N]
     segment: torch.Tensor  # [N] int64
     sample: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64
+    scores: torch.Tensor | None = None  # RM: [samples, K] float64, each response's score (NaN: no such response)
 
 
 def stdlib_texts() -> Iterator[str]:
@@ -322,3 +328,122 @@ def _dpo_row(parts, seq_len, tokenizer, layout: str = "shared") -> Row:
         mask = masks.dpo([len(p) for p, _, _ in parts], [len(c) for _, c, _ in parts], [len(r) for _, _, r in parts], n=seq_len)
     row_positions = torch.tensor(positions + list(range(len(positions), seq_len)), dtype=torch.int64)
     return Row(ids, labels, mask, segment, sample, row_positions)
+
+
+def rm_sample(path: str, n: int, tokenizer, record: dict, seq_len: int) -> tuple[list[int], list[list[int]], list[float]]:
+    """The (prompt, responses, scores) tokens of the reward-model ``record`` on line ``n`` of ``path``:
+    ``{"prompt", "chosen", "rejected"}`` (scores 1, 0) or ``{"prompt", "responses": [...], "scores": [...]}``.
+    A :class:`DataError` naming ``path:n`` for a record of neither form, fewer than two responses, an
+    empty response, a score count other than the responses', scores that rank nothing (all equal), or
+    a sample that does not fit one row of ``seq_len`` tokens (a sample is never cut)."""
+    where = f"{path}:{n}"
+    if "responses" in record or "scores" in record:
+        responses, scores = record.get("responses"), record.get("scores")
+        if "chosen" in record or "rejected" in record:
+            raise DataError(f"{where}: expected either chosen / rejected or responses / scores, got both forms")
+        if not isinstance(responses, list) or not all(isinstance(r, str) for r in responses):
+            raise DataError(f"{where}: expected 'responses' as a list of strings, got {_json_type(responses)}")
+        if (not isinstance(scores, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores)
+                or not all(math.isfinite(x) for x in scores)):
+            raise DataError(f"{where}: expected 'scores' as a list of finite numbers, got {_json_type(scores)}")
+        if len(scores) != len(responses):
+            raise DataError(f"{where}: expected one score per response, got {len(scores)} scores for {len(responses)} responses")
+    else:
+        missing = [k for k in ("chosen", "rejected") if not isinstance(record.get(k), str)]
+        if missing:
+            raise DataError(f"{where}: expected string fields ['prompt', 'chosen', 'rejected'] or 'prompt' with "
+                            f"'responses' and 'scores', missing or not a string: {missing}")
+        responses, scores = [record["chosen"], record["rejected"]], [1.0, 0.0]
+    if len(responses) < 2 or len(set(scores)) < 2:
+        raise DataError(f"{where}: expected at least two responses with different scores (a ranking to learn), got "
+                        f"{len(responses)} response(s) with scores {scores}")
+    empty = [i for i, r in enumerate(responses) if not r]
+    if empty:
+        raise DataError(f"{where}: expected non-empty responses, got an empty response at index {empty[0]}")
+    prompt, ids = tokenizer.encode(record["prompt"]), [tokenizer.encode(r) for r in responses]
+    size = len(prompt) + sum(len(r) + 1 for r in ids)
+    if size > seq_len:
+        raise DataError(f"{where}: a reward-model sample of {size} tokens (prompt {len(prompt)} + {len(ids)} responses of "
+                        f"{[len(r) for r in ids]} + a separator each) does not fit data.seq_len = {seq_len}; raise seq_len "
+                        "or shorten the sample")
+    return prompt, ids, [float(x) for x in scores]
+
+
+def rm_rows(seq_len: int, tokenizer, path: str = "") -> Iterator[Row]:
+    """Packed reward-model rows: several samples per row, each ``[prompt, SEP r1, ..., SEP rK]`` under the
+    ``preference`` mask (a response sees the prompt and itself), each response's positions continuing
+    right after the prompt. ``labels`` are 1 at each response's last token (where its reward is read),
+    ``scores [samples, K]`` rank the responses. Without a path: the built-in DPO samples as pairs (the
+    true continuation over the same tokens shuffled). Samples are never cut; each pass ends with its
+    partial row, padded."""
+    if not isinstance(seq_len, int) or seq_len < 2:
+        raise DataError(f"data.seq_len: expected an int >= 2, got {seq_len!r}")
+
+    def samples():
+        if path:
+            for n, r in _jsonl(path, RM_FIELDS):
+                yield rm_sample(path, n, tokenizer, r, seq_len)
+        else:
+            yield from _rm_builtin(tokenizer, seq_len)
+
+    while True:
+        parts, used, produced = [], 0, False
+        for p, responses, scores in samples():
+            produced = True
+            size = len(p) + sum(len(r) + 1 for r in responses)
+            if used + size > seq_len:
+                yield _rm_row(parts, seq_len, tokenizer)
+                parts, used = [], 0
+            parts.append((p, [[tokenizer.bos_id] + r for r in responses], scores))
+            used += size
+        if not produced:
+            raise DataError(f"data.path: expected reward-model samples, got none in {path or 'the stdlib corpus'}")
+        if parts:
+            yield _rm_row(parts, seq_len, tokenizer)
+
+
+def _rm_builtin(tokenizer, seq_len: int) -> Iterator[tuple[list[int], list[list[int]], list[float]]]:
+    """The built-in reward-model pairs: a stdlib file's opening as the prompt, its true continuation ranked
+    over the same text with its letters' case swapped. Unlike a shuffled continuation (the same tokens:
+    the same mean of their embeddings), the swapped one changes which tokens occur, something even a
+    LoRA on a randomly initialised model can read at the last token; the demo's accuracy rises."""
+    prompt = min(64, seq_len // 5)
+    response = max(min(96, seq_len // 5 - 1), 1)
+    if prompt < 1 or prompt + 2 * (response + 1) > seq_len:
+        raise DataError(f"data.seq_len: expected at least 5 tokens for the built-in reward-model samples, got {seq_len}")
+    for text in stdlib_texts():
+        ids = tokenizer.encode(text)
+        if len(ids) < prompt + response:
+            continue
+        chosen = ids[prompt : prompt + response]
+        swapped = tokenizer.encode(text.swapcase())[prompt : prompt + response]
+        if swapped == chosen or len(swapped) != len(chosen):
+            continue
+        yield ids[:prompt], [chosen, swapped], [1.0, 0.0]
+
+
+def _rm_row(parts, seq_len, tokenizer) -> Row:
+    tokens, segment, sample, positions, last = [], [], [], [], []
+    for i, (prompt, responses, _) in enumerate(parts):
+        tokens += prompt
+        segment += [0] * len(prompt)
+        sample += [i] * len(prompt)
+        positions += list(range(len(prompt)))
+        last += [False] * len(prompt)
+        for r, response in enumerate(responses):
+            tokens += response
+            segment += [r + 1] * len(response)
+            sample += [i] * len(response)
+            positions += list(range(len(prompt), len(prompt) + len(response)))
+            last += [False] * (len(response) - 1) + [True]
+    pad = seq_len - len(tokens)
+    ids = torch.tensor(tokens + [tokenizer.pad_id] * pad, dtype=torch.int64)
+    labels = torch.where(torch.tensor(last + [False] * pad), 1, -100)
+    mask = masks.preference([len(p) for p, _, _ in parts], [[len(r) for r in rs] for _, rs, _ in parts], n=seq_len)
+    k = max(len(rs) for _, rs, _ in parts)
+    scores = torch.full((len(parts), k), float("nan"), dtype=torch.float64)
+    for i, (_, _, sc) in enumerate(parts):
+        scores[i, : len(sc)] = torch.tensor(sc, dtype=torch.float64)
+    row_positions = torch.tensor(positions + list(range(len(positions), seq_len)), dtype=torch.int64)
+    return Row(ids, labels, mask, torch.tensor(segment + [-1] * pad, dtype=torch.int64),
+               torch.tensor(sample + [-1] * pad, dtype=torch.int64), row_positions, scores)

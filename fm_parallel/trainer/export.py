@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["export_adapter", "save_base_model", "convert_checkpoint", "BASE_SAVE_LIMIT_BYTES"]
 
@@ -57,6 +58,8 @@ def export_adapter(model, path: Path, cfg, tokenizer, step: int) -> Path:
         peft_config.base_model_name_or_path = previous
     # The base model's architecture travels with the adapter even when its weights are not saved.
     base_model = model.get_base_model()
+    reward = hasattr(base_model, "score")  # a reward model: a sequence classifier with one output
+    auto, extra = ("AutoModelForSequenceClassification", ", num_labels=1") if reward else ("AutoModelForCausalLM", "")
     (path / "base_model_config.json").write_text(base_model.config.to_json_string())
     hf_tokenizer = getattr(tokenizer, "tok", None)
     if hf_tokenizer is not None:
@@ -67,9 +70,33 @@ def export_adapter(model, path: Path, cfg, tokenizer, step: int) -> Path:
         "base_model_recipe": None if base else {k: v for k, v in cfg.to_dict()["model"].items()} | {"seed": cfg.training.seed},
         "tokenizer": cfg.data.tokenizer or "bytes (UTF-8 bytes, 256 = document separator, 257 = padding)",
         "vocab_size": tokenizer.vocab_size,
-        "load": "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), this folder)",
+        "load": f"PeftModel.from_pretrained({auto}.from_pretrained(base_model{extra}), this folder)",
     }
     (path / "fm_parallel.json").write_text(json.dumps(info, indent=1))
+    return path
+
+
+def export_model(model, path: Path, cfg, tokenizer, step: int) -> Path:
+    """Write the whole model of a ``model.finetune = "full"`` run as a ``save_pretrained`` folder
+    (safetensors, its config, the tokenizer) that ``AutoModelForCausalLM`` (a reward model:
+    ``AutoModelForSequenceClassification``) loads. Collective: every rank gives its shards, rank 0
+    gathers them on the host and writes."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        base = model.get_base_model()
+        weights = {k.removeprefix("base."): v for k, v in state.items()}  # ShardedModel holds the HF model as .base
+        path.mkdir(parents=True, exist_ok=True)
+        base.save_pretrained(str(path), state_dict=weights)
+        hf_tokenizer = getattr(tokenizer, "tok", None)
+        if hf_tokenizer is not None:
+            hf_tokenizer.save_pretrained(str(path))
+        auto = "AutoModelForSequenceClassification" if hasattr(base, "score") else "AutoModelForCausalLM"
+        info = {"step": step, "tokenizer": cfg.data.tokenizer or "bytes (UTF-8 bytes, 256 = document separator, 257 = padding)",
+                "vocab_size": tokenizer.vocab_size, "load": f"{auto}.from_pretrained(this folder)"}
+        (path / "fm_parallel.json").write_text(json.dumps(info, indent=1))
+    dist.barrier()
     return path
 
 
@@ -83,6 +110,7 @@ def convert_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
     from fm_parallel.trainer import runs
     from fm_parallel.trainer.config import Config, ConfigError
     from fm_parallel.trainer.model import build_model, build_tokenizer
+    from fm_parallel.trainer.objectives import objective
 
     run_dir = Path(run_dir)
     saved = runs.saved_config(run_dir, "run_dir", "exported")
@@ -104,7 +132,7 @@ def convert_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
                           "config.json now; expected the base model's local Hugging Face folder there")
     tokenizer = build_tokenizer(cfg)
     cfg.model.activation_checkpointing, cfg.model.offload_layers, cfg.model.tile_chunk = False, 0, 0
-    model = build_model(cfg, tokenizer.vocab_size, torch.device("cpu"))
+    model = build_model(cfg, tokenizer.vocab_size, torch.device("cpu"), head=objective(cfg).HEAD)
     options = StateDictOptions(ignore_frozen_params=True)
     state = {"model": get_model_state_dict(model, options=options)}
     try:

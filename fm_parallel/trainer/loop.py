@@ -27,6 +27,7 @@ from fm_parallel.trainer.export import save_base_model
 from fm_parallel.trainer.flops import rows_flops
 from fm_parallel.trainer.memory import GIB, plan_shortfall, prefer_expandable_segments
 from fm_parallel.trainer.model import build_model, build_tokenizer, compiles
+from fm_parallel.trainer.fsdp import in_root
 from fm_parallel.trainer.objectives import objective as make_objective
 from fm_parallel.trainer.optimizer import build_optimizer, set_learning_rate, update
 from fm_parallel.trainer.preflight import preflight
@@ -76,7 +77,7 @@ def _train(cfg: Config, stopped) -> dict:
         if not cfg.output.resume:
             (out_dir / runs.RUN_FILE).write_text(json.dumps(cfg.to_dict(), indent=1))
     fresh = rank == 0 and not cfg.output.resume
-    model = build_model(cfg, tokenizer.vocab_size, device,
+    model = build_model(cfg, tokenizer.vocab_size, device, head=make_objective(cfg).HEAD,
                         save_base=(lambda base: save_base_model(base, out_dir / "base_model")) if fresh else None)
     if compiles(cfg, device):
         say(f"model.compile = {cfg.model.compile}: the tiled layers' per-token parts run through torch.compile "
@@ -101,7 +102,7 @@ def _train(cfg: Config, stopped) -> dict:
         lr = set_learning_rate(optim, cfg, step)
         local_loss = torch.zeros((), device=device, dtype=torch.float64)
         for row in rows[lay.dp_rank :: lay.dp]:
-            loss = objective.loss(model, parallel.prepare_batch(row, lay, cfg, device), lay) / denom
+            loss = in_root(model, objective.loss, model, parallel.prepare_batch(row, lay, cfg, device), lay) / denom
             loss.backward()
             local_loss += loss.detach().double()
         grad_norm = update(params, optim)  # the whole world's gradients; losses were normalised globally

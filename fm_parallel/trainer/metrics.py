@@ -341,12 +341,20 @@ class HeldOut:
         share, summed over the world), normalised as a training step's loss is (tokens for SFT,
         samples for DPO); DPO adds TRL's reward accuracy and mean reward margin."""
         from fm_parallel.trainer import parallel
+        from fm_parallel.trainer.fsdp import ShardedModel, in_root
 
         was_training = model.training
         model.eval()
         totals = None
-        for row in self.rows[lay.dp_rank :: lay.dp]:
-            sums = objective.eval_sums(model, parallel.prepare_batch(row, lay, self.cfg, device), lay)
+        mine = self.rows[lay.dp_rank :: lay.dp]
+        # A sharded model's forward is collective over every rank (FSDP gathers each layer's weights):
+        # every rank runs as many rows as the busiest one, the extra ones counted zero times.
+        rounds = -(-len(self.rows) // lay.dp) if isinstance(model, ShardedModel) else len(mine)
+        for i in range(rounds):
+            row = mine[i] if i < len(mine) else self.rows[0]
+            sums = in_root(model, objective.eval_sums, model, parallel.prepare_batch(row, lay, self.cfg, device), lay)
+            if i >= len(mine):
+                sums = {k: v * 0 for k, v in sums.items()}
             totals = sums if totals is None else {k: totals[k] + v for k, v in sums.items()}
         if totals is None:  # a data-parallel rank with no held-out row still joins the sum
             totals = {k: torch.zeros((), device=device, dtype=torch.float64) for k in objective.EVAL_SUMS}

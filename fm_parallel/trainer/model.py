@@ -111,31 +111,43 @@ def lora_in_input_dtype(model) -> int:
     return changed
 
 
-def build_model(cfg: Config, vocab_size: int, device, save_base=None):
-    """The peft LoRA model. ``save_base(base)``: called with a model built from the config (no
+HEADS = ("lm", "score")
+
+
+def build_model(cfg: Config, vocab_size: int, device, save_base=None, head: str = "lm"):
+    """The peft LoRA model, or with ``model.finetune = "full"`` the whole model sharded by FSDP2 (a
+    :class:`~fm_parallel.trainer.fsdp.ShardedModel`; needs the process group). ``save_base(base)``: called with a model built from the config (no
     ``model.path``) before LoRA is injected, so the run can save its random base weights once and
-    its adapters load on a fresh copy (rank 0 of a new run: ``export.save_base_model``)."""
+    its adapters load on a fresh copy (rank 0 of a new run: ``export.save_base_model``). ``head``: the
+    objective's (``Objective.HEAD``): ``"lm"`` a causal LM; ``"score"`` a sequence classifier with one
+    output (``AutoModelForSequenceClassification(num_labels=1)``, a reward model), whose ``score`` head
+    peft trains in full beside the adapters (``task_type="SEQ_CLS"``)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM,
+                              LlamaForSequenceClassification)
 
     from fm_parallel.integrations import transformers as fm_hf
 
+    if head not in HEADS:
+        raise ValueError(f"head: expected one of {HEADS}, got {head!r}")
     device = torch.device(device)
     name = {"flashmask": fm_hf.register(), "sdpa": "sdpa", "flex": "flex_attention"}[cfg.model.attention]
     dtype = model_dtype(cfg, device.type == "cuda")
     torch.manual_seed(cfg.training.seed)
+    score = {"num_labels": 1} if head == "score" else {}  # one scalar: the reward
     if cfg.model.path:
-        base = AutoModelForCausalLM.from_pretrained(cfg.model.path, attn_implementation=name, dtype=dtype, local_files_only=True)
+        auto = AutoModelForSequenceClassification if head == "score" else AutoModelForCausalLM
+        base = auto.from_pretrained(cfg.model.path, attn_implementation=name, dtype=dtype, local_files_only=True, **score)
     else:
         m = cfg.model
         with torch.device(device):  # initialise on the device: an 8B model's CPU init takes minutes
-            base = LlamaForCausalLM(LlamaConfig(
+            base = (LlamaForSequenceClassification if head == "score" else LlamaForCausalLM)(LlamaConfig(
                 vocab_size=vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
                 num_hidden_layers=m.layers, num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
-                max_position_embeddings=max(cfg.data.seq_len, 2048), attn_implementation=name,
+                max_position_embeddings=max(cfg.data.seq_len, 2048), attn_implementation=name, **score,
             )).to(dtype)
     base.to(device)
-    if save_base is not None and not cfg.model.path:
+    if save_base is not None and not cfg.model.path and cfg.model.finetune != "full":  # full: the export is the model
         save_base(base)
     base.config.use_cache = False
     if cfg.model.tile_chunk:  # before checkpoint_layers, which then leaves the tiled layers (their own checkpoints) unwrapped
@@ -148,8 +160,16 @@ def build_model(cfg: Config, vocab_size: int, device, save_base=None):
             raise ConfigError(f"model.{e}" if str(e).startswith("offload_layers") else f"model.checkpoint_{e}") from None
     elif cfg.model.offload_layers:
         raise ConfigError(f"model.offload_layers: expected 0 without activation checkpointing, got {cfg.model.offload_layers}")
+    if cfg.model.finetune == "full":  # every weight, sharded over the world (fm_parallel/trainer/fsdp.py)
+        from fm_parallel.trainer.fsdp import shard_full_model
+
+        model = shard_full_model(base, cfg, device)
+        model.train()
+        model.checkpoint_policy = policy
+        return model
     lora = LoraConfig(r=cfg.model.lora_rank, lora_alpha=cfg.model.lora_alpha,
-                      target_modules=[t.strip() for t in cfg.model.lora_targets.split(",") if t.strip()])
+                      target_modules=[t.strip() for t in cfg.model.lora_targets.split(",") if t.strip()],
+                      **({"task_type": "SEQ_CLS"} if head == "score" else {}))
     model = get_peft_model(base, lora)
     if cfg.model.lora_compute == "base":
         lora_in_input_dtype(model)

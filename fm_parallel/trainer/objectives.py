@@ -18,20 +18,27 @@ import torch
 import torch.nn.functional as F
 
 from fm_parallel.logprobs import response_sums, token_logps
-from fm_parallel.preference import dpo_loss
-from fm_parallel.trainer.config import Config
-from fm_parallel.trainer.data import DPO_FIELDS, SFT_FIELDS, Row, check_dpo_sample, dpo_rows, sft_rows, validate_jsonl
+from fm_parallel.preference import bradley_terry_loss, dpo_loss
+from fm_parallel.trainer.config import Config, ConfigError
+from fm_parallel.trainer.data import (DPO_FIELDS, RM_FIELDS, SFT_FIELDS, Row, check_dpo_sample, dpo_rows, rm_rows, rm_sample,
+                                     sft_rows, validate_jsonl)
 from fm_parallel.trainer.model import hidden_states
 from fm_parallel.trainer.tiles import tiled_map, tiled_sum
 
-__all__ = ["Objective", "SFT", "DPO", "OBJECTIVES", "objective", "chunked", "chunked_cross_entropy"]
+__all__ = ["Objective", "SFT", "DPO", "RM", "OBJECTIVES", "objective", "chunked", "chunked_cross_entropy"]
+
+
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """Logits for a loss: half precision raised to float32; float32 and float64 as they are (a float64
+    model's loss stays float64, so layouts that sum in another order still agree to 1e-10)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def chunked(head, hidden, labels, chunk: int, fn):
     """Sum of ``fn(logits_chunk, labels_chunk)`` over token chunks; each chunk's logits are recomputed
     in the backward instead of kept, so ``[N, vocab]`` logits never exist at once, and ``hidden``'s
     gradient is written chunk by chunk into one buffer (:func:`~fm_parallel.trainer.tiles.tiled_sum`)."""
-    return tiled_sum(lambda h_, y_: fn(head(h_).float(), y_), hidden, chunk, labels, params=head.parameters())
+    return tiled_sum(lambda h_, y_: fn(_at_least_float32(head(h_)), y_), hidden, chunk, labels, params=head.parameters())
 
 
 def chunked_cross_entropy(head, hidden, labels, chunk: int):
@@ -47,9 +54,16 @@ class Objective:
     name = ""
     # The string fields every record of a JSONL data file holds for this objective (``data.path``).
     FIELDS: tuple[str, ...] = ()
+    # The model's head: "lm" (a causal LM, the next-token logits) or "score" (a sequence classifier with
+    # one output, AutoModelForSequenceClassification's, read at chosen positions).
+    HEAD = "lm"
+    # Why this objective cannot train every weight (model.finetune = "full"), or "" when it can.
+    NOT_FULL = ""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        if cfg.model.finetune == "full" and self.NOT_FULL:
+            raise ConfigError(f"model.finetune: expected 'lora' with data.objective {self.name!r} ({self.NOT_FULL}), got 'full'")
 
     def validate(self, path: str, tokenizer=None, stop=None, key: str = "data.path") -> int:
         """One pass over the JSONL file ``path`` before training; the number of records (-1 when
@@ -122,6 +136,7 @@ class DPO(Objective):
 
     name = "dpo"
     FIELDS = DPO_FIELDS
+    NOT_FULL = "its reference is the base with the adapter disabled; a frozen reference copy is not built yet"
 
     def rows(self, tokenizer):
         d = self.cfg.data
@@ -139,7 +154,7 @@ class DPO(Objective):
         hidden = hidden_states(model, batch)
         head = model.get_base_model().lm_head
         chunk = self.cfg.training.loss_chunk
-        logps = tiled_map(lambda h_, y_: token_logps(head(h_).float(), y_), hidden, chunk, batch.labels,
+        logps = tiled_map(lambda h_, y_: token_logps(_at_least_float32(head(h_)), y_), hidden, chunk, batch.labels,
                           params=head.parameters())
         # The trainer's labels are shifted (position t scores token t + 1, inside the same response), so a
         # scored position's own segment and sample are its target's.
@@ -169,7 +184,54 @@ class DPO(Objective):
                 "reward_accuracy": metrics["rewards/accuracies"].sum() / cp, "reward_margin": metrics["rewards/margins"].sum() / cp}
 
 
-OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (SFT, DPO)}
+class RM(Objective):
+    """A reward model on packed samples of one prompt and K responses (the ``preference`` mask): each
+    response's reward is the ``score`` head on its last token, and the loss is the Bradley-Terry loss
+    over every ranked pair of a sample's responses (``fm_parallel.preference``), summed over pairs."""
+
+    name = "rm"
+    FIELDS = RM_FIELDS
+    HEAD = "score"
+
+    def rows(self, tokenizer):
+        return rm_rows(self.cfg.data.seq_len, tokenizer, self.cfg.data.path)
+
+    def check_record(self, path, line, record, tokenizer):
+        rm_sample(path, line, tokenizer, record, self.cfg.data.seq_len)
+
+    def denominator(self, rows):
+        from fm_parallel.preference import ranked_pairs
+
+        return max(sum(len(ranked_pairs(r.scores)[0]) for r in rows), 1)
+
+    def rewards(self, model, batch, layout) -> torch.Tensor:
+        """``[samples, K]``: each response's reward, the whole row's (this rank's responses' last tokens
+        summed over the CP ranks, the same on each; a rank's gradient reaches the tokens it holds)."""
+        values = _at_least_float32(model.get_base_model().score(hidden_states(model, batch)).squeeze(-1))  # [1, n]
+        table = response_sums(values, batch.segment, batch.sample, samples=batch.samples, responses=batch.scores.shape[1],
+                              scored=batch.labels >= 0)  # the responses' last tokens: their rewards
+        return layout.cp_sum(table)
+
+    def _pairs(self, model, batch, layout):
+        return bradley_terry_loss(self.rewards(model, batch, layout), batch.scores)
+
+    def loss(self, model, batch, layout):
+        losses, _ = self._pairs(model, batch, layout)
+        # Each CP rank holds the same rewards; 1/cp makes the world-summed gradient exact.
+        return losses.sum() / layout.cp
+
+    # TRL's RewardTrainer metrics, per ranked pair.
+    EVAL_SUMS = ("loss", "count", "accuracy", "margin", "reward_chosen", "reward_rejected")
+
+    def eval_sums(self, model, batch, layout):
+        losses, metrics = self._pairs(model, batch, layout)
+        cp = layout.cp
+        return {"loss": losses.sum() / cp, "count": torch.tensor(losses.numel() / cp),
+                "accuracy": metrics["accuracy"].sum() / cp, "margin": metrics["margin"].sum() / cp,
+                "reward_chosen": metrics["rewards/chosen"].sum() / cp, "reward_rejected": metrics["rewards/rejected"].sum() / cp}
+
+
+OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (SFT, DPO, RM)}
 
 
 def objective(cfg: Config) -> Objective:

@@ -22,7 +22,7 @@ SCHEDULE_KEYS = ("training.steps", "training.warmup", "training.lr")
 
 
 def build_optimizer(model, cfg: Config):
-    """``(params, optim)``: the trainable (LoRA) parameters and their AdamW."""
+    """``(params, optim)``: the trainable parameters (LoRA's, or every weight's shard) and their AdamW."""
     params = [p for p in model.parameters() if p.requires_grad]
     return params, torch.optim.AdamW(params, lr=cfg.training.lr, weight_decay=0.0)
 
@@ -45,12 +45,20 @@ def set_learning_rate(optim, cfg: Config, step: int) -> float:
 
 def update(params, optim) -> float:
     """Sum the gradients over the world (losses were normalised globally, so the sum is the one-process
-    gradient), clip to norm 1, step, and clear them; returns the gradient norm before clipping."""
+    gradient), clip to norm 1, step, and clear them; returns the gradient norm before clipping.
+    Sharded parameters (FSDP2's ``DTensor`` s, ``model.finetune = "full"``) arrive summed already
+    (their reduce-scatter in the backward); their norm is the whole model's."""
+    from torch.distributed.tensor import DTensor
+
     for p in params:
+        if isinstance(p, DTensor):
+            continue
         if p.grad is None:  # a rank whose rows reached no adapter still takes part in the sum
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad)
     norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
     optim.step()
     optim.zero_grad(set_to_none=True)
     return norm.item()

@@ -91,7 +91,9 @@ class Batch:
     under CP) on the device. ``mask``: the step's :class:`PreparedMask` under CP (passed to the
     model as it is: every layer, forward and backward, reuses it), else the row's FlashMask.
     ``ctx``: the row's ContextParallel (None without CP); ``impl``: the kernel without CP.
-    ``samples``: the row's sample count (documents for SFT, preference samples for DPO)."""
+    ``samples``: the row's sample count (documents for SFT, preference samples for DPO and RM).
+    ``scores``: the reward model's ``[samples, K]`` ranking of each sample's responses (whole on every
+    rank: it is per sample, not per token), else None."""
 
     ids: torch.Tensor
     labels: torch.Tensor
@@ -102,6 +104,7 @@ class Batch:
     ctx: ContextParallel | None
     impl: str
     samples: int
+    scores: torch.Tensor | None = None
 
 
 def prepare_batch(row: Row, lay: CPLayout, cfg: Config, dev: torch.device) -> Batch:
@@ -113,4 +116,5 @@ def prepare_batch(row: Row, lay: CPLayout, cfg: Config, dev: torch.device) -> Ba
     sharded = lay.shard_row(row.mask, {k: t.view(1, n) for k, t in fields.items()}, dev)
     t = sharded.tensors
     return Batch(t["input_ids"], t["labels"], t["positions"], t["segment"], t["sample"], mask=sharded.mask, ctx=sharded.ctx,
-                 impl=cfg.parallel.impl or "auto", samples=int(row.sample.max()) + 1)
+                 impl=cfg.parallel.impl or "auto", samples=int(row.sample.max()) + 1,
+                 scores=None if row.scores is None else row.scores.to(dev))

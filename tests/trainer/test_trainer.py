@@ -96,7 +96,7 @@ CP_RUNS = {"single": (1, ["--parallel.cp", "none"]), "ring2": (2, ["--parallel.c
 def cp_runs(tmp_path_factory):
     """Every layout of both objectives, one spawn per world size (a run per case): {objective: {name: losses}}."""
     tmp = tmp_path_factory.mktemp("cp")
-    runs = {"sft": {}, "dpo": {}}
+    runs = {"sft": {}, "dpo": {}, "rm": {}}
     for world in (1, 2, 4):
         cases = {f"{objective}/{name}": (_train, (TINY + ["--data.objective", objective] + extra, str(tmp / objective / name)))
                  for name, (w, extra) in CP_RUNS.items() if w == world for objective in runs}
@@ -106,7 +106,7 @@ def cp_runs(tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("objective", ["sft", "dpo"])
+@pytest.mark.parametrize("objective", ["sft", "dpo", "rm"])
 def test_context_parallel_losses_equal_one_process(cp_runs, objective):
     runs = cp_runs[objective]
     for name, losses in runs.items():  # a run that raised holds its ranks' tracebacks
