@@ -96,6 +96,9 @@ def one_run(shape: str, attention: str, n: int, args, work: Path, layout: str | 
 
     out = work / f"{shape}_{attention}_{n}_{layout}"
     dpo = ["--data.objective", "dpo", "--data.dpo_layout", layout, "--data.path", args.dpo_path] if layout else []
+    if args.objective == "rm":
+        dpo = ["--data.objective", "rm"]  # the built-in pairs, packed shared-prompt rows
+    dpo += ["--model.finetune", args.finetune]
     cfg = load_config(SHAPES[shape] + dpo + [
         "--model.attention", attention, "--model.tile_chunk", str(args.tile_chunk), "--data.seq_len", str(n),
         "--training.steps", str(args.timed_steps + 1), "--training.loss_chunk", str(args.loss_chunk), "--parallel.cp", "none",
@@ -176,7 +179,9 @@ def main() -> None:
     parser.add_argument("--timed-steps", type=int, default=8, help="steps timed after the untimed first one")
     parser.add_argument("--loss-chunk", type=int, default=8192)
     parser.add_argument("--tile-chunk", type=int, default=16384)
-    parser.add_argument("--objective", default="sft", choices=["sft", "dpo"])
+    parser.add_argument("--objective", default="sft", choices=["sft", "dpo", "rm"])
+    parser.add_argument("--finetune", default="lora", choices=["lora", "full"],
+                        help="lora, or full: every weight trained (FSDP2, one process here)")
     parser.add_argument("--dpo-layouts", nargs="+", default=list(DPO_LAYOUTS), choices=DPO_LAYOUTS)
     parser.add_argument("--dpo-sample", nargs=2, type=int, metavar=("PROMPT", "RESPONSE"),
                         help="DPO samples of exactly these prompt / response token counts (default: the built-in "
