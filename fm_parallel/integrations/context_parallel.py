@@ -336,8 +336,10 @@ class ContextParallelMixin:
         segment = sample = None
         samples = 0
         if inputs.get("fm_segment") is not None:
-            take = (lambda name, fill: inputs[name]) if not shift else (lambda name, fill: shifted(inputs, name, fill))  # noqa: E731
-            segment, sample = take("fm_segment", -1), take("fm_sample", -1)
+            if shift:
+                segment, sample = shifted(inputs, "fm_segment", -1), shifted(inputs, "fm_sample", -1)
+            else:
+                segment, sample = inputs["fm_segment"], inputs["fm_sample"]
             samples = int(inputs["fm_sample"].max()) + 1
         positions = inputs.get("position_ids")
         positions = torch.arange(n, device=device).expand(b, n) if positions is None else positions.to(device).expand(b, n)

@@ -20,16 +20,14 @@ losses equal TRL's ``DPOTrainer`` on prompt + separator, response.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 
 import torch
-import torch.nn.functional as F
-from transformers import Trainer
 
 from fm_parallel.integrations import transformers as fm_hf
 from fm_parallel.integrations.collator import FlashMaskCollator, response_logps
+from fm_parallel.integrations.metrics_trainer import LossMetricsTrainer
 from fm_parallel.integrations.world import check_trainer_world
-from fm_parallel.preference import dpo_loss  # noqa: F401 - this module's public name since issue 24, written in preference.py
+from fm_parallel.preference import dpo_loss  # written in preference.py, for both front doors; still exported here
 
 __all__ = ["FlashMaskDPOTrainer", "dpo_loss"]
 
@@ -56,7 +54,7 @@ def check_preference_rows(inputs) -> None:
                          f"{{prompt_ids, chosen_ids, rejected_ids}}, got keys {got}")
 
 
-class FlashMaskDPOTrainer(Trainer):
+class FlashMaskDPOTrainer(LossMetricsTrainer):
     """A ``transformers.Trainer`` whose loss is shared-prompt DPO.
 
     Args:
@@ -103,7 +101,6 @@ class FlashMaskDPOTrainer(Trainer):
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
             self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)
-        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
 
     def _set_signature_columns_if_needed(self):
         # The model never sees the examples' fields: the collator turns them into rows, so they are kept.
@@ -131,24 +128,5 @@ class FlashMaskDPOTrainer(Trainer):
             reference = logps(ref_logits)
         losses, metrics = dpo_loss(policy, reference, self.beta)
         loss = losses.mean()
-        mode = "train" if model.training else "eval"
-        for key, value in metrics.items():
-            self._metrics[mode][key].append(self.accelerator.gather_for_metrics(value).float().mean().item())
+        self.record(model, metrics)
         return (loss, outputs) if return_outputs else loss
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        # The Trainer's default would run the plain forward on the rows (refused by the backend).
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach(), None, None
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # The metrics of the steps since the last log, averaged (eval_ prefixed in evaluation), as TRL.
-        mode = "train" if self.model.training else "eval"
-        metrics = {key: sum(v) / len(v) for key, v in self._metrics[mode].items() if v}
-        if mode == "eval":
-            metrics = {f"eval_{key}": value for key, value in metrics.items()}
-        logs.update(metrics)
-        super().log(logs, start_time)
-        self._metrics[mode].clear()

@@ -20,14 +20,12 @@ the same pairs unpacked (``tests/integrations/test_reward.py``). Logged as TRL d
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
-from transformers import Trainer
 
 from fm_parallel import logprobs
 from fm_parallel.integrations.collator import FlashMaskCollator, response_ends
 from fm_parallel.integrations.dpo import _check_attention, check_preference_rows
+from fm_parallel.integrations.metrics_trainer import LossMetricsTrainer
 from fm_parallel.integrations.world import check_trainer_world
 from fm_parallel.preference import bradley_terry_loss
 
@@ -49,7 +47,7 @@ def score_head(model) -> torch.nn.Module:
     return head
 
 
-class FlashMaskRewardTrainer(Trainer):
+class FlashMaskRewardTrainer(LossMetricsTrainer):
     """A ``transformers.Trainer`` whose loss is the reward model's Bradley-Terry loss on packed
     shared-prompt rows (see the module docstring for the examples).
 
@@ -82,7 +80,6 @@ class FlashMaskRewardTrainer(Trainer):
                                               preference=True)
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         check_trainer_world(self.args)
-        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
 
     def _set_signature_columns_if_needed(self):
         # The model never sees the examples' fields: the collator turns them into rows, so they are kept.
@@ -120,27 +117,9 @@ class FlashMaskRewardTrainer(Trainer):
         scores = inputs.get("fm_scores")
         losses, metrics = bradley_terry_loss(table[keep], None if scores is None else scores.to(table.device)[keep])
         loss = losses.mean()
-        mode = "train" if model.training else "eval"
-        for key, value in metrics.items():
-            self._metrics[mode][key].append(self.accelerator.gather_for_metrics(value.float().mean()).mean().item())
+        # each rank's mean (data-parallel ranks may hold different numbers of pairs)
+        self.record(model, {key: value.float().mean() for key, value in metrics.items()})
         return (loss, outputs) if return_outputs else loss
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        # The Trainer's default would run the plain forward on the rows (refused by the backend).
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach(), None, None
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # The metrics of the steps since the last log, averaged (eval_ prefixed in evaluation), as TRL.
-        mode = "train" if self.model.training else "eval"
-        metrics = {key: sum(v) / len(v) for key, v in self._metrics[mode].items() if v}
-        if mode == "eval":
-            metrics = {f"eval_{key}": value for key, value in metrics.items()}
-        logs.update(metrics)
-        super().log(logs, start_time)
-        self._metrics[mode].clear()
 
 
 def _most(inputs: dict) -> int:

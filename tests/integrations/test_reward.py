@@ -5,7 +5,6 @@ losses equal (float64, 1e-8) for the pair form (K = 2) and the K-wise form (K = 
 of a sample, ties left out), LoRA (``task_type="SEQ_CLS"``) and full; ``context_parallel`` on 2 gloo
 ranks (ring and Ulysses) equals one process; bad records and models are refused by name."""
 
-import copy
 import os
 import tempfile
 import warnings
