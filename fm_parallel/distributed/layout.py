@@ -132,11 +132,28 @@ class CPLayout:
         """``x`` summed over this rank's CP group, differentiable: each rank's gradient is the sum's, so
         with the result replicated on the group, a mean over the world gives the one-process gradient
         of whatever the group computes from it."""
-        import torch.distributed.nn.functional as dfn
-
         for group in self.groups:
-            x = dfn.all_reduce(x, group=group)
+            x = _GroupSum.apply(x, group)
         return x
+
+
+class _GroupSum(torch.autograd.Function):
+    """``all_reduce(SUM)`` over ``group`` whose backward is the same sum of the gradients: what
+    ``torch.distributed.nn.functional.all_reduce`` did, which torch 2.13 deprecates (a warning per
+    rank in every run) with no differentiable replacement in ``_functional_collectives``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
     def shard_row(self, mask: FlashMask, tensors: dict, device: torch.device) -> ShardedRow:
         """Shard one row: ``tensors`` its ``[B, N]`` per-token fields (names from :data:`ROW_PADDING`;
