@@ -65,6 +65,25 @@ class ShardedRow:
     plan: ShardPlan | None
 
 
+class _GroupSum(torch.autograd.Function):
+    """``all_reduce(SUM)`` over ``group`` whose backward is the same sum of the gradients: what
+    ``torch.distributed.nn.functional.all_reduce`` did, which torch 2.13 deprecates (a warning per
+    rank in every run) with no differentiable replacement in ``_functional_collectives``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 class CPLayout:
     """Where this rank sits, over the current process group (one process without one).
 
@@ -136,24 +155,6 @@ class CPLayout:
             x = _GroupSum.apply(x, group)
         return x
 
-
-class _GroupSum(torch.autograd.Function):
-    """``all_reduce(SUM)`` over ``group`` whose backward is the same sum of the gradients: what
-    ``torch.distributed.nn.functional.all_reduce`` did, which torch 2.13 deprecates (a warning per
-    rank in every run) with no differentiable replacement in ``_functional_collectives``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
     def shard_row(self, mask: FlashMask, tensors: dict, device: torch.device) -> ShardedRow:
         """Shard one row: ``tensors`` its ``[B, N]`` per-token fields (names from :data:`ROW_PADDING`;
