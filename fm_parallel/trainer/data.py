@@ -125,7 +125,9 @@ def _record(path: str, n: int, raw: bytes, keys: tuple[str, ...]) -> dict | None
     if not line.strip():
         return None
     try:
-        record = json.loads(line)
+        # Without the line break: a missing '}' at the end is then at the line's last column + 1, not
+        # "column 1" of a line 2 that the file does not have there.
+        record = json.loads(line.rstrip("\r\n"))
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{n}: expected one JSON object per line, got invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(record, dict):

@@ -78,6 +78,9 @@ def test_dpo_samples_are_never_cut(tmp_path):
     (b'\n\n', r"expected at least one record, got none"),
     (b'{"text": "ok"}\n{"text": "a\\ud800b"}\n', r":2: field 'text' holds an unpaired surrogate"),
     (b'{"text": "ok"}\n\xef\xbb\xbf{"text": "b"}\n', r":2: expected one JSON object per line, got invalid JSON"),
+    # a missing closing brace: the column just past the line's end, where it belongs (was "column 1")
+    (b'{"text": "ok"}\n{"text": "abc"\n', r":2: expected one JSON object per line, got invalid JSON \(Expecting ',' delimiter at column 15\)"),
+    (b'{"text": "ok"}\r\n{"text": "abc"\r\n', r":2: .*at column 15\)"),
 ])
 def test_bad_lines_are_named_by_file_and_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
