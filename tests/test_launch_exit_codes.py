@@ -51,3 +51,19 @@ def test_threads_per_process_shares_the_cores():
     from fm_parallel.launch import threads_per_process
 
     assert [threads_per_process(n, cores=8) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+
+
+def test_a_bad_data_line_through_the_readmes_command_is_the_last_line_a_user_reads(tmp_path):
+    """The README's main job is ``python launch/train.py --nproc_per_node 2 ...`` (it was a bare torchrun,
+    whose 30-line ChildFailedError report followed our line): a bad data line is found once, before
+    any rank starts, and is the last line on the screen, status 2."""
+    readme = (ROOT / "README.md").read_text()
+    assert "&& python launch/train.py --nproc_per_node 2 --config launch/configs/cpu_sft.toml\n" in readme
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"text": "fine"}\n' * 6 + '{"text": 7}\n')
+    proc = _train("--nproc_per_node", "2", "--config", "launch/configs/cpu_sft.toml", "--data.path", str(data),
+                  "--output.dir", str(tmp_path / "run"))
+    message = f"{data}:7: expected string fields ['text'], missing or not a string: ['text'] (got {{'text': 'a number'}})"
+    _one_error(proc, message)
+    assert proc.stderr.strip().splitlines()[-1] == f"error: {message}"
+    assert "ChildFailedError" not in proc.stderr and not (tmp_path / "run").exists()
