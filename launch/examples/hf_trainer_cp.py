@@ -93,7 +93,9 @@ def parse(argv=None, description: str = __doc__):
 def training_args(cls, steps: int, batch: int, **extra):
     return cls(output_dir=os.path.join(tempfile.gettempdir(), "fm_parallel_hf_trainer_cp"), per_device_train_batch_size=batch,
                max_steps=steps, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
-               use_cpu=not torch.cuda.is_available(), seed=0, disable_tqdm=True, **extra)
+               use_cpu=not torch.cuda.is_available(), seed=0,
+               # every LoRA weight takes part in each step: DDP need not search for unused ones (it warned per rank)
+               ddp_find_unused_parameters=False, **extra)
 
 
 def dpo_trainer(args, cp):
