@@ -71,6 +71,10 @@ def export_adapter(model, path: Path, cfg, tokenizer, step: int) -> Path:
         "tokenizer": cfg.data.tokenizer or "bytes (UTF-8 bytes, 256 = document separator, 257 = padding)",
         "vocab_size": tokenizer.vocab_size,
         "load": f"PeftModel.from_pretrained({auto}.from_pretrained(base_model{extra}), this folder)",
+        # adapter_config.json names the base where it was at export (an absolute path): a moved run
+        # folder, or a base model moved elsewhere, loads the same way with the base's new place.
+        "if_moved": f"PeftModel.from_pretrained({auto}.from_pretrained('<where the base model is now>'{extra}), "
+                    "this folder): base_model_name_or_path is only the default AutoPeftModel reads",
     }
     (path / "fm_parallel.json").write_text(json.dumps(info, indent=1))
     return path

@@ -179,6 +179,7 @@ def test_the_peft_adapter_reproduces_the_trained_model(finished_run, tmp_path):
     assert info["step"] == 1 and info["base_model"] == str((finished_run / "base_model").resolve())
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == info["base_model"] and config["r"] == 4
+    assert info["if_moved"].startswith("PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained('<where the base")
 
     # The trained model: the last checkpoint restored as --resume restores it.
     cfg = load_config(TINY + ["--output.dir", str(finished_run)], environ={})
