@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -156,9 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpoint", default=None, help="a checkpoint folder (default: the latest complete one)")
     parser.add_argument("--out", default=None, help="where to write the adapter (default: <checkpoint>/adapter)")
     args = parser.parse_args(argv)
-    # One process by design (dcp says it assumes so), and transformers' own deprecation inside peft: not the user's.
-    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*is deprecated")
-    warnings.filterwarnings("ignore", message=r"torch.distributed is disabled, unavailable or uninitialized")
+    from fm_parallel.quiet import silence_known_harmless
+
+    silence_known_harmless()  # by message, each with its reason: fm_parallel/quiet.py
     try:
         path = convert_checkpoint(args.run_dir, args.checkpoint, args.out)
     except ValueError as e:

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ from fm_parallel.trainer.export import save_base_model
 from fm_parallel.trainer.flops import rows_flops
 from fm_parallel.trainer.memory import GIB, plan_shortfall, prefer_expandable_segments
 from fm_parallel.trainer.model import build_model, build_tokenizer, compiles
+from fm_parallel.quiet import silence_known_harmless
 from fm_parallel.trainer.fsdp import in_root
 from fm_parallel.trainer.objectives import objective as make_objective
 from fm_parallel.trainer.optimizer import build_optimizer, set_learning_rate, update
@@ -38,8 +38,7 @@ __all__ = ["main", "train", "USER_ERRORS"]
 
 def train(cfg: Config) -> dict:
     """Run training as configured; returns the summary (also printed and written by rank 0)."""
-    # transformers 5 renamed gradient to activation checkpointing and warns from its own internals each step.
-    warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*is deprecated")
+    silence_known_harmless()  # by message, each with its reason: fm_parallel/quiet.py
     stop = {"flag": False}
 
     def on_signal(signum, frame):

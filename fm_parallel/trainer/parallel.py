@@ -35,16 +35,23 @@ def init_distributed(timeout_s: float) -> None:
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = timedelta(seconds=timeout_s)
+    # On a GPU the rank's device is set before the group, and the group is bound to it: NCCL then never
+    # guesses the device from the rank ("Guessing device ID ... can cause a hang"), barrier() never
+    # warns that it uses "the device under current context", and cuBLAS finds a current context.
+    options = {}
+    if torch.cuda.is_available():
+        options["device_id"] = device()
+        torch.cuda.set_device(options["device_id"])
     # Launched by torchrun (or any launcher that sets the env:// rendezvous): join it. A bare WORLD_SIZE=1
     # without MASTER_ADDR is not a launch: accelerate (HF Trainer, TRL) writes it into os.environ once a
     # process group exists, and a later run in that process, or a child of it, would wait for a rendezvous.
     if "MASTER_ADDR" in os.environ or int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **options)
         return
     # A plain `python` run is one process: an in-memory store, no TCP port that another job could hold.
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **options)
 
 
 def device() -> torch.device:
