@@ -311,7 +311,7 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
              ("register_ulysses_hf(", "deepspeed.initialize(", "DistributedAttention(")),
     ("docs/parallelism.md", "python launch/examples/agreement_cost.py"): Run(expect="ms"),
     # ---------------------------------------------------------------- docs/training.md
-    ("docs/training.md", SFT): Skip(SAME, "the README's main job (run there, in the same clone)", ("README.md", MAIN_JOB)),
+    ("docs/training.md", README_SFT): Skip(SAME, "the README's main job (run there, in the same clone)", ("README.md", MAIN_JOB)),
     ("docs/training.md", DPO): Run({"FM_TRAINING__STEPS": "2"}, expect="summary:"),
     ("docs/training.md", "torchrun --nproc_per_node 4 launch/train.py --config launch/configs/cpu_full_sft.toml "
                          "--parallel.cp ring --parallel.cp_degree 2"):
@@ -487,7 +487,7 @@ def unmet(install: str) -> list[str]:
 
 def test_install_parts_are_checked_not_run():
     installs, rest = split_installs(MAIN_JOB)
-    assert installs == ["pip install torch==2.13.0", "pip install -e '.[train]'"] and rest == SFT
+    assert installs == ["pip install torch==2.13.0", "pip install -e '.[train]'"] and rest == README_SFT
     assert unmet("pip install --no-deps surely-not-a-package-fm==1.0") == ["surely-not-a-package-fm==1.0 (not installed)"]
     assert unmet("pip install 'torch<1'")[0].startswith("torch<1 (installed: ")
     assert unmet("pip install -e '.[hf]'") == []
