@@ -22,6 +22,8 @@ def test_quickstart_runs_and_agrees_with_dense_attention():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "All masks agree with dense attention: yes" in proc.stdout
     assert "packed docs (seed)" in proc.stdout and "274.9 GB" in proc.stdout
+    # the CPU timings are said to be the PyTorch path's, not the kernels' (issue 56.7)
+    assert "on the CPU 'ours' is the blockwise PyTorch path (impl 'torch')" in proc.stdout
 
 
 def test_quickstart_says_which_side_deviates_when_a_row_disagrees():
