@@ -133,6 +133,9 @@ def convert_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
     if cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path: the run fine-tuned {cfg.model.path!r} ({run_dir / runs.RUN_FILE}), which holds no "
                           "config.json now; expected the base model's local Hugging Face folder there")
+    if cfg.model.finetune == "full":  # its weights are sharded over the run's ranks; the whole model is already written
+        raise ConfigError(f"run_dir: expected a LoRA run (an adapter to convert), got a model.finetune = 'full' run, whose "
+                          f"checkpoints each hold the whole model as a save_pretrained folder: {path / 'model'}")
     tokenizer = build_tokenizer(cfg)
     cfg.model.activation_checkpointing, cfg.model.offload_layers, cfg.model.tile_chunk = False, 0, 0
     model = build_model(cfg, tokenizer.vocab_size, torch.device("cpu"), head=objective(cfg).HEAD)

@@ -160,3 +160,12 @@ def test_what_full_training_does_not_do_yet_is_refused_by_name(tmp_path, extra, 
     with pytest.raises(ValueError, match=message):
         train(load_config(TINY + ["--parallel.cp", "none", "--output.dir", str(tmp_path / "x")] + extra, environ={}))
     assert not (tmp_path / "x").exists()
+
+
+def test_the_export_command_points_a_full_run_to_its_model_folder(runs):
+    from fm_parallel.trainer.config import ConfigError
+    from fm_parallel.trainer.export import convert_checkpoint
+
+    tmp, _ = runs
+    with pytest.raises(ConfigError, match=r"run_dir: expected a LoRA run .* got a model.finetune = 'full' run, .*step_000003/model"):
+        convert_checkpoint(tmp / "single")
