@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["token_logps", "response_sums", "response_logps"]
+__all__ = ["token_logps", "response_sums", "response_logps", "sample_slots", "at_least_float32"]
 
 
 def _check_layout(segment, sample, shape, where: str = "") -> None:
@@ -26,6 +26,22 @@ def _check_layout(segment, sample, shape, where: str = "") -> None:
                              f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
         if tuple(t.shape) != tuple(shape):
             raise ValueError(f"{where}{name}: expected shape {list(shape)} (one entry per token), got {list(t.shape)}")
+
+
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` for a loss: half precision raised to float32, float32 and float64 as they are (a float64
+    model's losses stay float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def sample_slots(sample: torch.Tensor) -> torch.Tensor:
+    """``[B * S]`` bool over a table of ``S`` rows per batch row (``S`` the batch's most samples, as
+    :func:`response_sums` lays it out): True for the slots that are a row's real samples, so that
+    ``table[sample_slots(sample)]`` lists the samples in row order (shorter rows leave empty slots).
+    ``sample [B, N]``: each token's sample index in its row, -1 padding."""
+    per_row = (sample.max(dim=1).values + 1).clamp(min=0) if sample.numel() else sample.new_zeros(sample.shape[0])
+    most = int(per_row.max()) if per_row.numel() else 0
+    return (torch.arange(most, device=sample.device).view(1, -1) < per_row.view(-1, 1)).flatten()
 
 
 def token_logps(logits: torch.Tensor, targets: torch.Tensor, *, check_vocab: bool = True) -> torch.Tensor:
@@ -46,7 +62,7 @@ def token_logps(logits: torch.Tensor, targets: torch.Tensor, *, check_vocab: boo
         high = int(targets.max())
         if high >= vocab:
             raise ValueError(f"labels: expected token ids < the logits' vocabulary size {vocab}, got {high}")
-    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
+    logp = torch.log_softmax(at_least_float32(logits), -1)
     logp = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return torch.where(targets >= 0, logp, torch.zeros_like(logp))
 
@@ -141,6 +157,5 @@ def response_logps(logits: torch.Tensor, labels: torch.Tensor, segment: torch.Te
                          f"without response {j + 1}")
     targets = labels[:, 1:]
     per_token = token_logps(logits[:, :-1], targets)
-    sums = response_sums(per_token, segment[:, 1:], sample[:, 1:], samples=per_row, responses=k,
-                         scored=targets >= 0).view(b, per_row, k)
-    return torch.cat([sums[r, :s] for r, s in enumerate(row_samples)])
+    sums = response_sums(per_token, segment[:, 1:], sample[:, 1:], samples=per_row, responses=k, scored=targets >= 0)
+    return sums[sample_slots(sample)]

@@ -155,7 +155,6 @@ class CPLayout:
             x = _GroupSum.apply(x, group)
         return x
 
-
     def shard_row(self, mask: FlashMask, tensors: dict, device: torch.device) -> ShardedRow:
         """Shard one row: ``tensors`` its ``[B, N]`` per-token fields (names from :data:`ROW_PADDING`;
         None values pass through), ``mask`` its FlashMask over ``N``. Under CP the row is padded to the

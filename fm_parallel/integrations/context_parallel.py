@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +49,7 @@ import torch.nn.functional as F
 from fm_parallel.distributed.context import CP_MODES
 from fm_parallel.distributed.layout import CPLayout
 from fm_parallel.distributed.sharding import BALANCE_MODES
+from fm_parallel.integrations.world import check_trainer_world, launched_world
 from fm_parallel.masks.flashmask import FlashMask
 
 __all__ = ["ContextParallelConfig", "ContextParallelMixin", "context_parallel", "batch_row", "row_mask", "shifted"]
@@ -112,7 +112,7 @@ class ContextParallelConfig:
 def _layout(cfg: ContextParallelConfig) -> CPLayout:
     """This rank's :class:`~fm_parallel.distributed.layout.CPLayout` (the trainer's too) for ``cfg``,
     its degree checked against the launched ranks first (naming ``cp.degree``)."""
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    world = launched_world()
     if world % cfg.degree:
         raise ValueError(f"cp.degree: expected a divisor of the {world} ranks (WORLD_SIZE), got {cfg.degree}")
     return CPLayout(cfg.mode, cfg.degree, ulysses=cfg.ulysses, balance=cfg.balance, impl=cfg.impl)
@@ -237,7 +237,6 @@ class ContextParallelMixin:
     def _check_arguments(self) -> None:
         """Refuse, by name, what would be silently wrong under this wrapper's loss and sampling."""
         from fm_parallel.integrations.dpo import _check_attention
-        from fm_parallel.integrations.world import check_trainer_world
 
         args = self.args
         _check_attention(self.model, "model")  # any other attention ignores the mask (and the context)
@@ -389,54 +388,56 @@ class ContextParallelMixin:
         return loss.detach(), None, None
 
 
-class _ContextParallelDPO(ContextParallelMixin):
-    """:class:`fm_parallel.integrations.dpo.FlashMaskDPOTrainer` under CP: each rank sums the
-    log-probabilities of its tokens per (sample, response), the sums are added over the CP group
-    (differentiable), and the replicated DPO loss follows (the mean over the micro-batch's pairs)."""
+class _ContextParallelPreference(ContextParallelMixin):
+    """What the preference trainers share under CP: a micro-batch's loss is a mean over its own samples
+    or pairs (not over the step's tokens), and each batch is checked to be preference rows and the model
+    to run our attention before anything is sharded."""
 
-    loss_is_scaled_for_ga = False  # a mean over this micro-batch's pairs, as FlashMaskDPOTrainer's
+    loss_is_scaled_for_ga = False  # a mean over this micro-batch's samples, as the wrapped trainer's
 
     def _get_num_items_in_batch(self, batch_samples, device):
         return None
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        from fm_parallel import logprobs
+    def _preference_row_checks(self, model, inputs) -> None:
         from fm_parallel.integrations.dpo import check_preference_rows
 
         check_preference_rows(inputs)
         self._check_attention_now(model)
+
+
+class _ContextParallelDPO(_ContextParallelPreference):
+    """:class:`fm_parallel.integrations.dpo.FlashMaskDPOTrainer` under CP: each rank sums the
+    log-probabilities of its tokens per (sample, response), the sums are added over the CP group
+    (differentiable), and the replicated DPO loss follows (the mean over the micro-batch's pairs)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        from fm_parallel import logprobs
+
+        self._preference_row_checks(model, inputs)
         row = self._cp_row(inputs)
-        b = inputs["input_ids"].shape[0]
-        row_samples = (inputs["fm_sample"].max(dim=1).values + 1).tolist()
+        slots = logprobs.sample_slots(inputs["fm_sample"])
 
         def logps(logits):
             per_token = logprobs.token_logps(logits, row.targets)
             sums = logprobs.response_sums(per_token, row.segment, row.sample, samples=row.samples, responses=2,
                                           scored=row.targets >= 0)
-            sums = self.cp_layout.cp_sum(sums).view(b, row.samples, 2)
-            return torch.cat([sums[r, :s] for r, s in enumerate(row_samples)])
+            sums = self.cp_layout.cp_sum(sums)
+            return sums[slots.to(sums.device)]
 
         return self.dpo_step(model, row.model_inputs, logps, return_outputs)
 
 
-class _ContextParallelRM(ContextParallelMixin):
+class _ContextParallelRM(_ContextParallelPreference):
     """:class:`fm_parallel.integrations.reward.FlashMaskRewardTrainer` under CP: each rank runs the
     score head on its tokens and keeps the responses' last tokens it holds, the per-response rewards
     are added over the CP group (differentiable: the rank holding a last token gets its gradient), and
     the replicated Bradley-Terry loss follows (the mean over the micro-batch's ranked pairs)."""
 
-    loss_is_scaled_for_ga = False  # a mean over this micro-batch's pairs, as FlashMaskRewardTrainer's
-
-    def _get_num_items_in_batch(self, batch_samples, device):
-        return None
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         from fm_parallel import logprobs
         from fm_parallel.integrations.collator import response_ends
-        from fm_parallel.integrations.dpo import check_preference_rows
 
-        check_preference_rows(inputs)
-        self._check_attention_now(model)
+        self._preference_row_checks(model, inputs)
         responses = int(inputs["fm_segment"].max())
         ends = response_ends(inputs["fm_segment"], inputs["fm_sample"])
         # The positions whose reward is read travel as the row's labels (1 there, -100 elsewhere): sharded

@@ -93,8 +93,8 @@ class FlashMaskRewardTrainer(LossMetricsTrainer):
         model_inputs = {k: inputs[k] for k in _MODEL_KEYS}
 
         def rewards(values):
-            return logprobs.response_sums(values, inputs["fm_segment"], inputs["fm_sample"], samples=_most(inputs),
-                                          responses=responses, scored=ends)
+            return logprobs.response_sums(values, inputs["fm_segment"], inputs["fm_sample"],
+                                          samples=int(inputs["fm_sample"].max()) + 1, responses=responses, scored=ends)
 
         return self.reward_step(model, model_inputs, rewards, inputs, return_outputs)
 
@@ -111,9 +111,8 @@ class FlashMaskRewardTrainer(LossMetricsTrainer):
             outputs = model(**model_inputs, use_cache=False)
         finally:
             hook.remove()
-        values = seen[-1].squeeze(-1)  # [B, n]: the head on every token; the rewards are the responses' last
-        table = rewards(values.float() if values.dtype in (torch.float16, torch.bfloat16) else values)
-        keep = _real_samples(inputs, table.device)
+        table = rewards(logprobs.at_least_float32(seen[-1].squeeze(-1)))  # the head on every token [B, n] -> rewards
+        keep = logprobs.sample_slots(inputs["fm_sample"]).to(table.device)
         scores = inputs.get("fm_scores")
         losses, metrics = bradley_terry_loss(table[keep], None if scores is None else scores.to(table.device)[keep])
         loss = losses.mean()
@@ -121,15 +120,3 @@ class FlashMaskRewardTrainer(LossMetricsTrainer):
         self.record(model, {key: value.float().mean() for key, value in metrics.items()})
         return (loss, outputs) if return_outputs else loss
 
-
-def _most(inputs: dict) -> int:
-    """The most samples a row of the batch holds (the reward table's samples per row)."""
-    return int(inputs["fm_sample"].max()) + 1
-
-
-def _real_samples(inputs: dict, device) -> torch.Tensor:
-    """``[B * most]`` bool: the reward table's rows that are a row's real samples (shorter rows leave
-    empty slots, which make no pair)."""
-    sample = inputs["fm_sample"]
-    per_row = sample.max(dim=1).values + 1  # [B]
-    return (torch.arange(_most(inputs), device=device).view(1, -1) < per_row.to(device).view(-1, 1)).flatten()

@@ -375,9 +375,9 @@ def rm_rows(seq_len: int, tokenizer, path: str = "") -> Iterator[Row]:
     """Packed reward-model rows: several samples per row, each ``[prompt, SEP r1, ..., SEP rK]`` under the
     ``preference`` mask (a response sees the prompt and itself), each response's positions continuing
     right after the prompt. ``labels`` are 1 at each response's last token (where its reward is read),
-    ``scores [samples, K]`` rank the responses. Without a path: the built-in DPO samples as pairs (the
-    true continuation over the same tokens shuffled). Samples are never cut; each pass ends with its
-    partial row, padded."""
+    ``scores [samples, K]`` rank the responses. Without a path: the built-in pairs (:func:`_rm_builtin`:
+    the true continuation over the same text with its letters' case swapped). Samples are never cut;
+    each pass ends with its partial row, padded."""
     if not isinstance(seq_len, int) or seq_len < 2:
         raise DataError(f"data.seq_len: expected an int >= 2, got {seq_len!r}")
 

@@ -40,6 +40,22 @@ def save_base_model(base, path: Path) -> bool:
     return True
 
 
+def _auto_class(base) -> str:
+    """The ``transformers`` Auto class that loads ``base``'s kind: a reward model (a sequence classifier
+    with one output, its ``score`` head) or a causal LM."""
+    return "AutoModelForSequenceClassification" if hasattr(base, "score") else "AutoModelForCausalLM"
+
+
+def _tokenizer_files(path: Path, cfg, tokenizer) -> dict:
+    """Save a Hugging Face tokenizer beside an export (the byte tokenizer has no files) and return what
+    ``fm_parallel.json`` says of it."""
+    hf_tokenizer = getattr(tokenizer, "tok", None)
+    if hf_tokenizer is not None:
+        hf_tokenizer.save_pretrained(str(path))
+    return {"tokenizer": cfg.data.tokenizer or "bytes (UTF-8 bytes, 256 = document separator, 257 = padding)",
+            "vocab_size": tokenizer.vocab_size}
+
+
 def export_adapter(model, path: Path, cfg, tokenizer, step: int) -> Path:
     """Write ``model``'s LoRA adapter in peft format to ``path`` (rank 0; the adapter is the same on
     every rank). ``cfg``: the run's Config; ``tokenizer``: the trainer's tokenizer."""
@@ -57,18 +73,14 @@ def export_adapter(model, path: Path, cfg, tokenizer, step: int) -> Path:
         peft_config.base_model_name_or_path = previous
     # The base model's architecture travels with the adapter even when its weights are not saved.
     base_model = model.get_base_model()
-    reward = hasattr(base_model, "score")  # a reward model: a sequence classifier with one output
-    auto, extra = ("AutoModelForSequenceClassification", ", num_labels=1") if reward else ("AutoModelForCausalLM", "")
+    auto = _auto_class(base_model)
+    extra = ", num_labels=1" if auto == "AutoModelForSequenceClassification" else ""  # a base folder may hold another head
     (path / "base_model_config.json").write_text(base_model.config.to_json_string())
-    hf_tokenizer = getattr(tokenizer, "tok", None)
-    if hf_tokenizer is not None:
-        hf_tokenizer.save_pretrained(str(path))
     info = {
         "step": step,
         "base_model": base or None,
         "base_model_recipe": None if base else {k: v for k, v in cfg.to_dict()["model"].items()} | {"seed": cfg.training.seed},
-        "tokenizer": cfg.data.tokenizer or "bytes (UTF-8 bytes, 256 = document separator, 257 = padding)",
-        "vocab_size": tokenizer.vocab_size,
+        **_tokenizer_files(path, cfg, tokenizer),
         "load": f"PeftModel.from_pretrained({auto}.from_pretrained(base_model{extra}), this folder)",
         # adapter_config.json names the base where it was at export (an absolute path): a moved run
         # folder, or a base model moved elsewhere, loads the same way with the base's new place.
@@ -92,12 +104,7 @@ def export_model(model, path: Path, cfg, tokenizer, step: int) -> Path:
         weights = {k.removeprefix("base."): v for k, v in state.items()}  # ShardedModel holds the HF model as .base
         path.mkdir(parents=True, exist_ok=True)
         base.save_pretrained(str(path), state_dict=weights)
-        hf_tokenizer = getattr(tokenizer, "tok", None)
-        if hf_tokenizer is not None:
-            hf_tokenizer.save_pretrained(str(path))
-        auto = "AutoModelForSequenceClassification" if hasattr(base, "score") else "AutoModelForCausalLM"
-        info = {"step": step, "tokenizer": cfg.data.tokenizer or "bytes (UTF-8 bytes, 256 = document separator, 257 = padding)",
-                "vocab_size": tokenizer.vocab_size, "load": f"{auto}.from_pretrained(this folder)"}
+        info = {"step": step, **_tokenizer_files(path, cfg, tokenizer), "load": f"{_auto_class(base)}.from_pretrained(this folder)"}
         (path / "fm_parallel.json").write_text(json.dumps(info, indent=1))
     dist.barrier()
     return path

@@ -18,16 +18,16 @@ import torch
 import torch.distributed as dist
 
 from fm_parallel.distributed.comm import RankFailure
+from fm_parallel.quiet import silence_known_harmless
 from fm_parallel.trainer import checkpoint, metrics, parallel, runs
 from fm_parallel.trainer.capacity import plan_run
 from fm_parallel.trainer.config import Config, ConfigError, check_before_start, load_config
 from fm_parallel.trainer.data import DataError
 from fm_parallel.trainer.export import save_base_model
 from fm_parallel.trainer.flops import rows_flops
+from fm_parallel.trainer.fsdp import in_root
 from fm_parallel.trainer.memory import GIB, plan_shortfall, prefer_expandable_segments
 from fm_parallel.trainer.model import build_model, build_tokenizer, compiles
-from fm_parallel.quiet import silence_known_harmless
-from fm_parallel.trainer.fsdp import in_root
 from fm_parallel.trainer.objectives import objective as make_objective
 from fm_parallel.trainer.optimizer import build_optimizer, set_learning_rate, update
 from fm_parallel.trainer.preflight import preflight

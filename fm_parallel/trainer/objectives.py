@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fm_parallel.logprobs import response_sums, token_logps
+from fm_parallel.logprobs import at_least_float32, response_sums, token_logps
 from fm_parallel.preference import bradley_terry_loss, dpo_loss
 from fm_parallel.trainer.config import Config, ConfigError
 from fm_parallel.trainer.data import (DPO_FIELDS, RM_FIELDS, SFT_FIELDS, Row, check_dpo_sample, dpo_rows, rm_rows, rm_sample,
@@ -28,17 +28,11 @@ from fm_parallel.trainer.tiles import tiled_map, tiled_sum
 __all__ = ["Objective", "SFT", "DPO", "RM", "OBJECTIVES", "objective", "chunked", "chunked_cross_entropy"]
 
 
-def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
-    """Logits for a loss: half precision raised to float32; float32 and float64 as they are (a float64
-    model's loss stays float64, so layouts that sum in another order still agree to 1e-10)."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-
-
 def chunked(head, hidden, labels, chunk: int, fn):
     """Sum of ``fn(logits_chunk, labels_chunk)`` over token chunks; each chunk's logits are recomputed
     in the backward instead of kept, so ``[N, vocab]`` logits never exist at once, and ``hidden``'s
     gradient is written chunk by chunk into one buffer (:func:`~fm_parallel.trainer.tiles.tiled_sum`)."""
-    return tiled_sum(lambda h_, y_: fn(_at_least_float32(head(h_)), y_), hidden, chunk, labels, params=head.parameters())
+    return tiled_sum(lambda h_, y_: fn(at_least_float32(head(h_)), y_), hidden, chunk, labels, params=head.parameters())
 
 
 def chunked_cross_entropy(head, hidden, labels, chunk: int):
@@ -154,7 +148,7 @@ class DPO(Objective):
         hidden = hidden_states(model, batch)
         head = model.get_base_model().lm_head
         chunk = self.cfg.training.loss_chunk
-        logps = tiled_map(lambda h_, y_: token_logps(_at_least_float32(head(h_)), y_), hidden, chunk, batch.labels,
+        logps = tiled_map(lambda h_, y_: token_logps(head(h_), y_), hidden, chunk, batch.labels,
                           params=head.parameters())
         # The trainer's labels are shifted (position t scores token t + 1, inside the same response), so a
         # scored position's own segment and sample are its target's.
@@ -207,7 +201,7 @@ class RM(Objective):
     def rewards(self, model, batch, layout) -> torch.Tensor:
         """``[samples, K]``: each response's reward, the whole row's (this rank's responses' last tokens
         summed over the CP ranks, the same on each; a rank's gradient reaches the tokens it holds)."""
-        values = _at_least_float32(model.get_base_model().score(hidden_states(model, batch)).squeeze(-1))  # [1, n]
+        values = at_least_float32(model.get_base_model().score(hidden_states(model, batch)).squeeze(-1))  # [1, n]
         table = response_sums(values, batch.segment, batch.sample, samples=batch.samples, responses=batch.scores.shape[1],
                               scored=batch.labels >= 0)  # the responses' last tokens: their rewards
         return layout.cp_sum(table)
