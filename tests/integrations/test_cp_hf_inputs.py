@@ -228,3 +228,51 @@ def test_every_config_field_is_refused_by_name(field, value):
     base = dict(degree=4, mode="hybrid") if field == "ulysses_degree" else {}
     with pytest.raises(ValueError, match=rf"^cp\.{field}: expected .*, got {value!r}".replace("[", r"\[").replace("]", r"\]")):
         ContextParallelConfig(**{**base, field: value})
+
+
+SFT_WITHOUT_USE_CPU = '''
+import sys
+sys.path.insert(0, sys.argv[1])
+from datasets import Dataset
+from peft import LoraConfig
+from trl import SFTConfig, SFTTrainer
+from hf_trainer_cp import documents, tiny_llama
+from trl_sft_cp import tiny_tokenizer
+from fm_parallel.integrations.context_parallel import ContextParallelConfig, context_parallel
+
+model = tiny_llama(None)
+args = SFTConfig(output_dir=sys.argv[2], padding_free=True, max_length=None, bf16=False, max_steps=2, report_to=[],
+                 per_device_train_batch_size=3)  # as the new user wrote it: no use_cpu
+try:
+    context_parallel(SFTTrainer)(model=model, args=args, processing_class=tiny_tokenizer(128),
+                                 train_dataset=Dataset.from_list(documents()),
+                                 peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+                                 cp=ContextParallelConfig(degree=2, mode="ring")).train()
+except ValueError as e:
+    print("refused:", e, flush=True)
+    raise SystemExit(2)
+'''
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU launch without use_cpu")
+def test_torchrun_sft_trainer_without_use_cpu_is_refused_on_every_rank(tmp_path):
+    """The new user's run (issue 56.0) through the engines they used: ``torchrun --nproc_per_node 2``, TRL's
+    ``SFTTrainer`` with ``padding_free=True`` and LoRA, ``cp=`` ring, no ``use_cpu``. It used to exit 0
+    with each rank training apart; now both ranks refuse naming ``use_cpu``."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("trl")
+    root = Path(__file__).resolve().parents[2]
+    script = tmp_path / "sft.py"
+    script.write_text(SFT_WITHOUT_USE_CPU)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
+                           str(script), str(root / "launch" / "examples"), str(tmp_path / "out")],
+                          cwd=root, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("refused: use_cpu: expected True when 2 ranks")]
+    assert len(refused) == 2, (proc.stdout[-2000:], proc.stderr[-3000:])
