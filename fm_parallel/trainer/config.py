@@ -95,8 +95,14 @@ class DataConfig:
     objective: str = _key("sft", "sft (packed documents) | dpo (packed preference samples) | rm (a reward model on "
                           "packed samples of one prompt and K ranked responses)", choices=("sft", "dpo", "rm"),
                           choices_text="'sft', 'dpo' or 'rm'")
-    path: str = _key("", 'JSONL file ({"text"} for sft, {"prompt","chosen","rejected"} for dpo and rm, or '
-                         '{"prompt","responses":[...],"scores":[...]} for rm); empty: the stdlib corpus')
+    path: str = _key("", "a JSONL, Parquet, Arrow or JSON file, a folder of them, or the name of a dataset in the local "
+                         "datasets cache, in TRL's formats: sft {\"text\"}, {\"messages\"} or {\"prompt\",\"completion\"}; "
+                         "dpo and rm {\"prompt\",\"chosen\",\"rejected\"} (strings or message lists, the prompt may be "
+                         "implicit), rm also {\"prompt\",\"responses\":[...],\"scores\":[...]}; empty: the stdlib corpus")
+    split: str = _key("train", "the split of data.path (a folder or dataset name with several; a file is one split)")
+    assistant_only_loss: bool = _key(True, "sft messages: train on the assistant's tokens only (TRL's assistant_only_loss)")
+    completion_only_loss: bool = _key(True, "sft prompt / completion: train on the completion's tokens only (TRL's "
+                                            "completion_only_loss)")
     tokenizer: str = _key("", "a local Hugging Face tokenizer folder; empty: bytes")
     seq_len: int = _key(2048, "tokens per packed row", low=2, high=2**31 - 1)
     max_doc_tokens: int = _key(0, "sft: split longer documents into pieces of at most this many tokens, each its own "
@@ -156,8 +162,9 @@ class EvalConfig:
     rows: int = _key(0, "held-out rows evaluated every eval.every steps (0: no evaluation); without eval.path the first "
                         "eval.rows rows of the training stream, never trained on (a row equal to one of them is dropped "
                         "from training by its hash)", low=0)
-    path: str = _key("", "a held-out JSONL file in data.path's format (its first eval.rows rows); empty: held out of "
-                         "the training stream")
+    path: str = _key("", "held-out data in data.path's forms (its first eval.rows rows); empty: held out of the "
+                         "training stream")
+    split: str = _key("", "the split of eval.path (empty: data.split)")
     every: int = _key(10, "steps between evaluations (also after the last step)", low=1)
 
 

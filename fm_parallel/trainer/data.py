@@ -8,10 +8,10 @@ document.
 
 Every record is trained on exactly once per pass over the data: the last, partial row of a pass is
 padded and yielded, never dropped (a data set smaller than one row is one padded row per pass).
-A JSONL file is checked in one fast pass before training (:func:`validate_jsonl`): a line that is not
-JSON, not an object, lacks a string field, or is not UTF-8 raises naming ``file:line``. Which fields a
-record holds and what else it must satisfy is the objective's to say
-(:meth:`fm_parallel.trainer.objectives.Objective.validate`): this module knows no objective by name.
+Records come from :mod:`.sources` (a JSONL, Parquet or Arrow file or folder, or a cached ``datasets``
+name) in TRL's formats (:mod:`.formats`: text, messages, prompt-completion; preference pairs), and are
+checked in one pass before training (:meth:`fm_parallel.trainer.objectives.Objective.validate`): a bad
+record raises naming ``file:line``.
 
 DPO rows pack several ``[prompt, chosen, rejected]`` samples with the ``dpo`` mask (``layout="shared"``:
 the prompt computed once). Each response starts with a separator token so that its first real token
@@ -25,8 +25,6 @@ never cut: one that does not fit a row raises naming its line and sizes.
 from __future__ import annotations
 
 import glob
-import json
-import math
 import os
 import random
 import sysconfig
@@ -37,45 +35,74 @@ import torch
 
 from fm_parallel import masks
 from fm_parallel.masks.flashmask import FlashMask
+from fm_parallel.trainer.formats import DataError, preference_sample, sft_document
+from fm_parallel.trainer.sources import records
 
-__all__ = ["ByteTokenizer", "load_tokenizer", "Row", "sft_rows", "dpo_rows", "stdlib_texts", "validate_jsonl", "DataError",
-           "DPO_LAYOUTS", "SFT_FIELDS", "DPO_FIELDS", "RM_FIELDS", "check_dpo_sample", "rm_sample", "rm_rows"]
+__all__ = ["ByteTokenizer", "load_tokenizer", "Row", "sft_rows", "dpo_rows", "stdlib_texts", "DataError",
+           "DPO_LAYOUTS", "check_dpo_sample", "rm_sample", "rm_rows"]
 
 DPO_LAYOUTS = ("shared", "separate")
-# The string fields of one JSONL record, per row format (data.path's format).
-SFT_FIELDS = ("text",)
-DPO_FIELDS = ("prompt", "chosen", "rejected")
-# A reward model's record: {"prompt", "chosen", "rejected"} (the pair form) or {"prompt", "responses": [...],
-# "scores": [...]} (K >= 2 responses ranked by score); "prompt" is the string field every record holds.
-RM_FIELDS = ("prompt",)
-
-
-class DataError(ValueError):
-    """A data file or data setting the user must fix; the message names ``file:line``."""
 
 
 class ByteTokenizer:
-    """UTF-8 bytes, plus a document separator (256) and padding (257)."""
+    """UTF-8 bytes, plus a document separator (256) and padding (257); no EOS and no chat template."""
 
     vocab_size = 258
     bos_id = 256
     pad_id = 257
+    eos_text = ""
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    text_ids = encode  # TRL's tokenizer(text): no special tokens to add here
+
+    def chat_template(self, where: str = "") -> None:
+        return None
+
+    def chat_ids(self, messages, where: str, add_generation_prompt: bool = False, assistant_mask: bool = False):
+        raise DataError(f"{where}: a conversation (a message list) needs a tokenizer with a chat template; the byte "
+                        "tokenizer has none: set model.path (or data.tokenizer) to a Hugging Face folder whose tokenizer has one")
+
 
 class _HFTokenizer:
+    """A Hugging Face tokenizer, used as TRL's trainers use it (:mod:`fm_parallel.trainer.formats`)."""
+
     def __init__(self, path: str):
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.path = path
         self.vocab_size = len(self.tok)
         self.bos_id = self.tok.bos_token_id if self.tok.bos_token_id is not None else self.tok.eos_token_id
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.bos_id
+        self.eos_text = self.tok.eos_token or ""
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
+
+    def text_ids(self, text: str) -> list[int]:
+        """``tokenizer(text)``'s ids, special tokens included (a BOS where the tokenizer adds one), as TRL tokenizes."""
+        return list(self.tok(text)["input_ids"])
+
+    def chat_template(self, where: str = "") -> str | None:
+        template = self.tok.chat_template
+        return template if isinstance(template, str) else None
+
+    def chat_ids(self, messages, where: str, add_generation_prompt: bool = False, assistant_mask: bool = False):
+        """``(ids, assistant mask or None)`` of a conversation through the tokenizer's chat template."""
+        if not self.tok.chat_template:
+            raise DataError(f"{where}: a conversation (a message list) needs a tokenizer with a chat template; the "
+                            f"tokenizer of {self.path} has none")
+        try:
+            out = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                               add_generation_prompt=add_generation_prompt,
+                                               return_assistant_tokens_mask=assistant_mask)
+        except Exception as e:  # noqa: BLE001 - a template raises its own errors (jinja's, or raise_exception)
+            raise DataError(f"{where}: the chat template of {self.path} refused the conversation "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
+        ids = list(out["input_ids"])
+        return ids, (list(out["assistant_masks"]) if assistant_mask else None)
 
 
 def load_tokenizer(path: str = ""):
@@ -111,89 +138,22 @@ def stdlib_texts() -> Iterator[str]:
             yield text
 
 
-def _json_type(value) -> str:
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
-
-
-def _record(path: str, n: int, raw: bytes, keys: tuple[str, ...]) -> dict | None:
-    """The record of line ``n`` (None for a blank line), or a DataError naming ``path:n``."""
-    try:
-        line = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # a byte-order mark on line 1 is not data
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}:{n}: expected UTF-8 text, got byte {raw[e.start]:#04x} at column {e.start + 1}") from None
-    if not line.strip():
-        return None
-    try:
-        # Without the line break: a missing '}' at the end is then at the line's last column + 1, not
-        # "column 1" of a line 2 that the file does not have there.
-        record = json.loads(line.rstrip("\r\n"))
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{n}: expected one JSON object per line, got invalid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(record, dict):
-        raise DataError(f"{path}:{n}: expected a JSON object with string fields {list(keys)}, got {_json_type(record)}")
-    missing = [k for k in keys if not isinstance(record.get(k), str)]
-    if missing:
-        got = {k: _json_type(record[k]) for k in missing if k in record}
-        raise DataError(f"{path}:{n}: expected string fields {list(keys)}, missing or not a string: {missing}"
-                        + (f" (got {got})" if got else ""))
-    for k in keys:
-        try:
-            record[k].encode("utf-8")
-        except UnicodeEncodeError as e:  # a JSON escape like "\ud800": no tokenizer can encode it
-            raise DataError(f"{path}:{n}: field {k!r} holds an unpaired surrogate {record[k][e.start]!r} at character "
-                            f"{e.start}, not valid Unicode") from None
-    return record
-
-
-def _jsonl(path: str, keys: tuple[str, ...]) -> Iterator[tuple[int, dict]]:
-    """``(line number, record)`` of every non-blank line."""
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            record = _record(path, n, raw, keys)
-            if record is not None:
-                yield n, record
-
-
-def validate_jsonl(path: str, fields: tuple[str, ...], check=None, stop=None, key: str = "data.path") -> int:
-    """One pass over a JSONL data file before training; returns the number of records.
-
-    Raises :class:`DataError` naming ``file:line`` for the first line that is not UTF-8, not JSON, not
-    an object or lacks one of the string ``fields``. ``check(line, record)``: called on every record
-    (its fields already checked), raises for a record the objective cannot train on. ``stop()``:
-    polled, a stop request ends the pass early (returns -1). ``key``: the setting that named ``path``
-    (``data.path`` or ``eval.path``), named by the errors that are not a line's."""
-    if not isinstance(fields, tuple) or not fields or not all(isinstance(f, str) for f in fields):
-        raise ValueError(f"fields: expected a non-empty tuple of field names (str), got {fields!r}")
-    if not os.path.isfile(path):
-        raise DataError(f"{key}: expected an existing JSONL file, got {path!r}")
-    count = 0
-    for n, record in _jsonl(path, fields):
-        count += 1
-        if check is not None:
-            check(n, record)
-        if stop is not None and count % 1024 == 0 and stop():
-            return -1
-    if count == 0:
-        raise DataError(f"{key}: expected at least one record, got none in {path}")
-    return count
-
-
 def _dpo_size(p: int, c: int, r: int, layout: str) -> int:
     """Tokens of one sample in a row: each response starts with a separator; ``separate`` repeats the prompt."""
     return (2 if layout == "separate" else 1) * p + c + r + 2
 
 
-def check_dpo_sample(path: str, n: int, tokenizer, record: dict, seq_len: int,
+def check_dpo_sample(where: str, tokenizer, record: dict, seq_len: int,
                      layout: str = "shared") -> tuple[list[int], list[int], list[int]]:
-    """The (prompt, chosen, rejected) tokens of the DPO ``record`` on line ``n`` of ``path``; a
-    :class:`DataError` naming ``path:n`` and the sizes if the sample does not fit one row of
-    ``seq_len`` tokens in ``layout`` (a sample is never cut)."""
-    p, c, r = (tokenizer.encode(record[k]) for k in DPO_FIELDS)
+    """The (prompt, chosen, rejected) tokens of the DPO ``record`` found at ``where`` (``file:line``):
+    TRL's tokens (:func:`~fm_parallel.trainer.formats.preference_sample`); a :class:`DataError` naming
+    ``where`` and the sizes if the sample does not fit one row of ``seq_len`` tokens in ``layout`` (a
+    sample is never cut)."""
+    p, (c, r), _ = preference_sample(tokenizer, record, where)
     size = _dpo_size(len(p), len(c), len(r), layout)
     if size > seq_len:
         prompt = f"prompt {len(p)}" if layout == "shared" else f"2 x prompt {len(p)} (data.dpo_layout = 'separate')"
-        raise DataError(f"{path}:{n}: a DPO sample of {size} tokens ({prompt} + chosen {len(c)} + rejected {len(r)}"
+        raise DataError(f"{where}: a DPO sample of {size} tokens ({prompt} + chosen {len(c)} + rejected {len(r)}"
                         f" + 2 separators) does not fit data.seq_len = {seq_len}; raise seq_len or shorten the sample")
     return p, c, r
 
@@ -206,55 +166,69 @@ def _labels(ids: torch.Tensor, sample: torch.Tensor, scored: torch.Tensor) -> to
     return nxt
 
 
-def sft_rows(seq_len: int, tokenizer, path: str = "", max_doc_tokens: int = 0) -> Iterator[Row]:
+def sft_rows(seq_len: int, tokenizer, path: str = "", max_doc_tokens: int = 0, split: str = "train",
+             assistant_only: bool = True, completion_only: bool = True) -> Iterator[Row]:
     """Packed SFT rows of ``seq_len`` tokens, forever (the corpus repeats). Each pass over the corpus
     ends with its partial row, padded: every token of every record is in exactly one row per pass.
-    A document longer than ``max_doc_tokens`` (0: ``seq_len``) is split into consecutive pieces of at
-    most that many tokens, each its own document (no attention across pieces)."""
+    Records are any SFT format (:func:`~fm_parallel.trainer.formats.sft_document`; ``assistant_only``,
+    ``completion_only``: which of their tokens are scored) from ``path`` (its ``split``; empty: the
+    stdlib corpus as text). A document longer than ``max_doc_tokens`` (0: ``seq_len``) is split into
+    consecutive pieces of at most that many tokens, each its own document (no attention across pieces)."""
     if not isinstance(seq_len, int) or seq_len < 2:
         raise DataError(f"data.seq_len: expected an int >= 2, got {seq_len!r}")
     if not isinstance(max_doc_tokens, int) or max_doc_tokens < 0:
         raise DataError(f"data.max_doc_tokens: expected an int >= 0 (0: seq_len), got {max_doc_tokens!r}")
     piece_len = min(max_doc_tokens or seq_len, seq_len)
-    texts = (lambda: (r["text"] for _, r in _jsonl(path, SFT_FIELDS))) if path else stdlib_texts
+
+    def documents():
+        if not path:
+            for text in stdlib_texts():
+                ids = [tokenizer.bos_id] + tokenizer.encode(text)
+                yield ids, [True] * len(ids)
+            return
+        for where, record in records(path, split):
+            yield sft_document(tokenizer, record, where, assistant_only, completion_only)
+
     while True:
         lengths: list[int] = []
         tokens: list[int] = []
+        scored: list[bool] = []
         any_doc = False
-        for text in texts():
+        for doc, doc_scored in documents():
             any_doc = True
-            doc = [tokenizer.bos_id] + tokenizer.encode(text)
             for start in range(0, len(doc), piece_len):
                 piece = doc[start : start + piece_len]
                 if len(tokens) + len(piece) > seq_len:
-                    yield _sft_row(tokens, lengths, seq_len, tokenizer)
-                    tokens, lengths = [], []
+                    yield _sft_row(tokens, scored, lengths, seq_len, tokenizer)
+                    tokens, scored, lengths = [], [], []
                 tokens += piece
+                scored += doc_scored[start : start + piece_len]
                 lengths.append(len(piece))
         if not any_doc:
             raise DataError(f"data.path: expected at least one document, got none in {path or 'the stdlib corpus'}")
         if tokens:
-            yield _sft_row(tokens, lengths, seq_len, tokenizer)
+            yield _sft_row(tokens, scored, lengths, seq_len, tokenizer)
 
 
-def _sft_row(tokens, lengths, seq_len, tokenizer) -> Row:
+def _sft_row(tokens, scored, lengths, seq_len, tokenizer) -> Row:
     pad = seq_len - len(tokens)
     ids = torch.tensor(tokens + [tokenizer.pad_id] * pad, dtype=torch.int64)
     sample = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     sample = torch.cat([sample, torch.full((pad,), -1, dtype=torch.int64)])
-    labels = _labels(ids, sample, sample >= 0)
+    labels = _labels(ids, sample, torch.tensor(scored + [False] * pad))
     segment = torch.where(sample >= 0, 0, -1)
     return Row(ids, labels, masks.document(lengths, n=seq_len), segment, sample, torch.arange(seq_len))
 
 
-def _dpo_samples(tokenizer, path: str, seq_len: int, layout: str = "shared") -> Iterator[tuple[list[int], list[int], list[int]]]:
+def _dpo_samples(tokenizer, path: str, seq_len: int, layout: str = "shared",
+                 split: str = "train") -> Iterator[tuple[list[int], list[int], list[int]]]:
     """(prompt, chosen, rejected) token lists. Without a path: from the stdlib, a file's opening as
     the prompt, its true continuation as chosen and the same tokens shuffled as rejected, each part sized to
     fit a quarter of a row (a fifth for the separate layout; synthetic samples, built to fit; a file's
     samples are never cut). Both layouts get the same samples for the same ``seq_len``."""
     if path:
-        for n, r in _jsonl(path, DPO_FIELDS):
-            yield check_dpo_sample(path, n, tokenizer, r, seq_len, layout)
+        for where, r in records(path, split):
+            yield check_dpo_sample(where, tokenizer, r, seq_len, layout)
         return
     prompt = min(64, seq_len // 5)
     response = max(min(96, seq_len // 5 - 1), 1)
@@ -277,7 +251,7 @@ def _dpo_samples(tokenizer, path: str, seq_len: int, layout: str = "shared") -> 
         yield ids[:prompt], chosen, rejected
 
 
-def dpo_rows(seq_len: int, tokenizer, path: str = "", layout: str = "shared") -> Iterator[Row]:
+def dpo_rows(seq_len: int, tokenizer, path: str = "", layout: str = "shared", split: str = "train") -> Iterator[Row]:
     """Packed DPO rows: several samples per row. ``layout="shared"``: [prompt, SEP chosen, SEP rejected]
     under the ``dpo`` mask; ``"separate"``: [prompt, SEP chosen] and [prompt, SEP rejected] as two causal
     documents (TRL's layout). Samples are never cut; each pass ends with its partial row, padded."""
@@ -289,7 +263,7 @@ def dpo_rows(seq_len: int, tokenizer, path: str = "", layout: str = "shared") ->
         parts: list[tuple[list[int], list[int], list[int]]] = []
         used = 0
         produced = False
-        for p, c, r in _dpo_samples(tokenizer, path, seq_len, layout):
+        for p, c, r in _dpo_samples(tokenizer, path, seq_len, layout, split):
             produced = True
             size = _dpo_size(len(p), len(c), len(r), layout)
             c, r = [tokenizer.bos_id] + c, [tokenizer.bos_id] + r
@@ -332,46 +306,24 @@ def _dpo_row(parts, seq_len, tokenizer, layout: str = "shared") -> Row:
     return Row(ids, labels, mask, segment, sample, row_positions)
 
 
-def rm_sample(path: str, n: int, tokenizer, record: dict, seq_len: int) -> tuple[list[int], list[list[int]], list[float]]:
-    """The (prompt, responses, scores) tokens of the reward-model ``record`` on line ``n`` of ``path``:
-    ``{"prompt", "chosen", "rejected"}`` (scores 1, 0) or ``{"prompt", "responses": [...], "scores": [...]}``.
-    A :class:`DataError` naming ``path:n`` for a record of neither form, fewer than two responses, an
-    empty response, a score count other than the responses', scores that rank nothing (all equal), or
-    a sample that does not fit one row of ``seq_len`` tokens (a sample is never cut)."""
-    where = f"{path}:{n}"
-    if "responses" in record or "scores" in record:
-        responses, scores = record.get("responses"), record.get("scores")
-        if "chosen" in record or "rejected" in record:
-            raise DataError(f"{where}: expected either chosen / rejected or responses / scores, got both forms")
-        if not isinstance(responses, list) or not all(isinstance(r, str) for r in responses):
-            raise DataError(f"{where}: expected 'responses' as a list of strings, got {_json_type(responses)}")
-        if (not isinstance(scores, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores)
-                or not all(math.isfinite(x) for x in scores)):
-            raise DataError(f"{where}: expected 'scores' as a list of finite numbers, got {_json_type(scores)}")
-        if len(scores) != len(responses):
-            raise DataError(f"{where}: expected one score per response, got {len(scores)} scores for {len(responses)} responses")
-    else:
-        missing = [k for k in ("chosen", "rejected") if not isinstance(record.get(k), str)]
-        if missing:
-            raise DataError(f"{where}: expected string fields ['prompt', 'chosen', 'rejected'] or 'prompt' with "
-                            f"'responses' and 'scores', missing or not a string: {missing}")
-        responses, scores = [record["chosen"], record["rejected"]], [1.0, 0.0]
-    if len(responses) < 2 or len(set(scores)) < 2:
-        raise DataError(f"{where}: expected at least two responses with different scores (a ranking to learn), got "
-                        f"{len(responses)} response(s) with scores {scores}")
-    empty = [i for i, r in enumerate(responses) if not r]
-    if empty:
-        raise DataError(f"{where}: expected non-empty responses, got an empty response at index {empty[0]}")
-    prompt, ids = tokenizer.encode(record["prompt"]), [tokenizer.encode(r) for r in responses]
+def rm_sample(where: str, tokenizer, record: dict, seq_len: int) -> tuple[list[int], list[list[int]], list[float]]:
+    """The (prompt, responses, scores) tokens of the reward-model ``record`` found at ``where``
+    (``file:line``): a preference pair (chosen scores 1, rejected 0; strings or message lists, the
+    prompt explicit or implicit) or ``{"prompt", "responses": [...], "scores": [...]}``
+    (:func:`~fm_parallel.trainer.formats.preference_sample`). A :class:`DataError` naming ``where`` for
+    a record of no such form, fewer than two responses, an empty response, a score count other than the
+    responses', scores that rank nothing (all equal), or a sample that does not fit one row of
+    ``seq_len`` tokens (a sample is never cut)."""
+    prompt, ids, scores = preference_sample(tokenizer, record, where, ranked=True)
     size = len(prompt) + sum(len(r) + 1 for r in ids)
     if size > seq_len:
         raise DataError(f"{where}: a reward-model sample of {size} tokens (prompt {len(prompt)} + {len(ids)} responses of "
                         f"{[len(r) for r in ids]} + a separator each) does not fit data.seq_len = {seq_len}; raise seq_len "
                         "or shorten the sample")
-    return prompt, ids, [float(x) for x in scores]
+    return prompt, ids, scores
 
 
-def rm_rows(seq_len: int, tokenizer, path: str = "") -> Iterator[Row]:
+def rm_rows(seq_len: int, tokenizer, path: str = "", split: str = "train") -> Iterator[Row]:
     """Packed reward-model rows: several samples per row, each ``[prompt, SEP r1, ..., SEP rK]`` under the
     ``preference`` mask (a response sees the prompt and itself), each response's positions continuing
     right after the prompt. ``labels`` are 1 at each response's last token (where its reward is read),
@@ -383,8 +335,8 @@ def rm_rows(seq_len: int, tokenizer, path: str = "") -> Iterator[Row]:
 
     def samples():
         if path:
-            for n, r in _jsonl(path, RM_FIELDS):
-                yield rm_sample(path, n, tokenizer, r, seq_len)
+            for where, r in records(path, split):
+                yield rm_sample(where, tokenizer, r, seq_len)
         else:
             yield from _rm_builtin(tokenizer, seq_len)
 

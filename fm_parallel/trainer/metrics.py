@@ -289,8 +289,9 @@ class HeldOut:
         if not e.rows:
             return
         if e.path:
-            objective.validate(e.path, tokenizer)  # the run's objective: its fields, its record check
-            source = type(objective)(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=e.path)))
+            split = e.split or cfg.data.split
+            objective.validate(e.path, tokenizer, key="eval.path", split=split)  # the run's objective's record check
+            source = type(objective)(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=e.path, split=split)))
             stream = source.rows(tokenizer)
         else:
             stream = objective.rows(tokenizer)

@@ -7,7 +7,7 @@ Losses are sums over this rank's part of a row divided by the step's global :met
 gradients summed over the world are the update one process would compute.
 
     objective = OBJECTIVES[cfg.data.objective](cfg)
-    objective.validate(cfg.data.path, tokenizer)        # before training: file:line of the first bad record
+    objective.validate(cfg.data.path, tokenizer)        # before training: where the first bad record is
     for row in objective.rows(tokenizer): ...
     loss = objective.loss(model, batch, layout) / objective.denominator(rows)
 """
@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from fm_parallel.logprobs import at_least_float32, response_sums, token_logps
 from fm_parallel.preference import bradley_terry_loss, dpo_loss
 from fm_parallel.trainer.config import Config, ConfigError
-from fm_parallel.trainer.data import (DPO_FIELDS, RM_FIELDS, SFT_FIELDS, Row, check_dpo_sample, dpo_rows, rm_rows, rm_sample,
-                                     sft_rows, validate_jsonl)
+from fm_parallel.trainer.data import Row, check_dpo_sample, dpo_rows, rm_rows, rm_sample, sft_rows
+from fm_parallel.trainer.formats import DataError, sft_document
+from fm_parallel.trainer.sources import validate_records
 from fm_parallel.trainer.model import hidden_states
 from fm_parallel.trainer.tiles import tiled_map, tiled_sum
 
@@ -46,7 +47,8 @@ class Objective:
     """One training objective. ``cfg``: the run's Config."""
 
     name = ""
-    # The string fields every record of a JSONL data file holds for this objective (``data.path``).
+    # String fields every record must hold, checked by the default :meth:`check_record` (the built-in
+    # objectives check TRL's formats instead, :mod:`fm_parallel.trainer.formats`).
     FIELDS: tuple[str, ...] = ()
     # The model's head: "lm" (a causal LM, the next-token logits) or "score" (a sequence classifier with
     # one output, AutoModelForSequenceClassification's, read at chosen positions).
@@ -59,20 +61,24 @@ class Objective:
         if cfg.model.finetune == "full" and self.NOT_FULL:
             raise ConfigError(f"model.finetune: expected 'lora' with data.objective {self.name!r} ({self.NOT_FULL}), got 'full'")
 
-    def validate(self, path: str, tokenizer=None, stop=None, key: str = "data.path") -> int:
-        """One pass over the JSONL file ``path`` before training; the number of records (-1 when
-        ``stop()`` ended the pass early). Every line is checked by
-        :func:`~fm_parallel.trainer.data.validate_jsonl` (UTF-8, JSON, an object with :attr:`FIELDS`
-        as strings) and, given the run's ``tokenizer``, by :meth:`check_record`; the first bad one
-        raises :class:`~fm_parallel.trainer.data.DataError` naming ``file:line`` (or ``key``, the setting
-        that named the file, when it is missing or empty)."""
-        check = None if tokenizer is None else (lambda line, record: self.check_record(path, line, record, tokenizer))
-        return validate_jsonl(path, self.FIELDS, check, stop, key)
+    def validate(self, path: str, tokenizer, stop=None, key: str = "data.path", split: str | None = None) -> int:
+        """One pass over the records of ``path`` (a file, folder or cached dataset name:
+        :mod:`~fm_parallel.trainer.sources`, ``data.split``) before training; the number of records (-1
+        when ``stop()`` ended the pass early). Each record is checked by :meth:`check_record` with the
+        run's ``tokenizer`` (its form and its tokens); the first bad one raises
+        :class:`~fm_parallel.trainer.data.DataError` naming where it is (``file:line``), or ``key``, the
+        setting that named the source, when it is missing or empty. ``split``: the source's split (None:
+        ``data.split``)."""
+        check = lambda where, record: self.check_record(where, record, tokenizer)  # noqa: E731
+        return validate_records(path, check, stop, key, self.cfg.data.split if split is None else split)
 
-    def check_record(self, path: str, line: int, record: dict, tokenizer) -> None:
-        """Raise :class:`~fm_parallel.trainer.data.DataError` naming ``path:line`` when ``record`` (its
-        fields present) cannot be trained on; here, before the run, rather than at the step that reads
-        it. By default every record can."""
+    def check_record(self, where: str, record: dict, tokenizer) -> None:
+        """Raise :class:`~fm_parallel.trainer.data.DataError` naming ``where`` when ``record`` cannot be
+        trained on; here, before the run, rather than at the step that reads it. By default: the
+        :attr:`FIELDS` are strings."""
+        missing = [k for k in self.FIELDS if not isinstance(record.get(k), str)]
+        if missing:
+            raise DataError(f"{where}: expected string fields {list(self.FIELDS)}, missing or not a string: {missing}")
 
     def rows(self, tokenizer):
         """The endless, deterministic stream of packed :class:`Row` s (the same on every rank)."""
@@ -105,13 +111,17 @@ class SFT(Objective):
     """Next-token cross-entropy on packed documents, summed over the scored tokens."""
 
     name = "sft"
-    FIELDS = SFT_FIELDS
 
     def longest_document(self) -> int:
         return self.cfg.data.max_doc_tokens  # sft_rows splits longer documents
 
+    def check_record(self, where, record, tokenizer):
+        d = self.cfg.data
+        sft_document(tokenizer, record, where, d.assistant_only_loss, d.completion_only_loss)
+
     def rows(self, tokenizer):
-        return sft_rows(self.cfg.data.seq_len, tokenizer, self.cfg.data.path, self.cfg.data.max_doc_tokens)
+        d = self.cfg.data
+        return sft_rows(d.seq_len, tokenizer, d.path, d.max_doc_tokens, d.split, d.assistant_only_loss, d.completion_only_loss)
 
     def denominator(self, rows):
         return max(sum(int((r.labels != -100).sum()) for r in rows), 1)
@@ -129,16 +139,15 @@ class DPO(Objective):
     reference model is the base with the adapter disabled. Summed over samples."""
 
     name = "dpo"
-    FIELDS = DPO_FIELDS
     NOT_FULL = "its reference is the base with the adapter disabled; a frozen reference copy is not built yet"
 
     def rows(self, tokenizer):
         d = self.cfg.data
-        return dpo_rows(d.seq_len, tokenizer, d.path, d.dpo_layout)
+        return dpo_rows(d.seq_len, tokenizer, d.path, d.dpo_layout, d.split)
 
-    def check_record(self, path, line, record, tokenizer):
+    def check_record(self, where, record, tokenizer):
         # A sample is never cut (its responses would lose their ends), so one longer than a row is refused.
-        check_dpo_sample(path, line, tokenizer, record, self.cfg.data.seq_len, self.cfg.data.dpo_layout)
+        check_dpo_sample(where, tokenizer, record, self.cfg.data.seq_len, self.cfg.data.dpo_layout)
 
     def denominator(self, rows):
         return max(sum(int(r.sample.max()) + 1 for r in rows), 1)
@@ -184,14 +193,13 @@ class RM(Objective):
     over every ranked pair of a sample's responses (``fm_parallel.preference``), summed over pairs."""
 
     name = "rm"
-    FIELDS = RM_FIELDS
     HEAD = "score"
 
     def rows(self, tokenizer):
-        return rm_rows(self.cfg.data.seq_len, tokenizer, self.cfg.data.path)
+        return rm_rows(self.cfg.data.seq_len, tokenizer, self.cfg.data.path, self.cfg.data.split)
 
-    def check_record(self, path, line, record, tokenizer):
-        rm_sample(path, line, tokenizer, record, self.cfg.data.seq_len)
+    def check_record(self, where, record, tokenizer):
+        rm_sample(where, tokenizer, record, self.cfg.data.seq_len)
 
     def denominator(self, rows):
         from fm_parallel.preference import ranked_pairs

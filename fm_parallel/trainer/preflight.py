@@ -29,4 +29,4 @@ def preflight(cfg: Config, tokenizer, stop) -> None:
     if cfg.data.path:
         objective(cfg).validate(cfg.data.path, tokenizer, stop)
     if cfg.eval.path:  # the held-out file, checked as the training file is, and named by its own key
-        objective(cfg).validate(cfg.eval.path, tokenizer, stop, key="eval.path")
+        objective(cfg).validate(cfg.eval.path, tokenizer, stop, key="eval.path", split=cfg.eval.split or cfg.data.split)

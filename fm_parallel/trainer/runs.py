@@ -33,9 +33,10 @@ RUN_ENTRIES = {RUN_FILE, "config.json", "metrics.jsonl", "training.png", "checkp
 RESUME_KEYS = {
     "model": ("path", "hidden_size", "layers", "heads", "kv_heads", "intermediate_size", "dtype", "lora_rank",
               "lora_alpha", "lora_targets", "attention"),
-    "data": ("objective", "path", "tokenizer", "seq_len", "max_doc_tokens"),
+    "data": ("objective", "path", "split", "tokenizer", "seq_len", "max_doc_tokens", "assistant_only_loss",
+             "completion_only_loss"),
     "training": ("seed", "grad_accum"),
-    "eval": ("rows", "path"),  # the held-out set (without eval.path its rows are dropped from the training stream)
+    "eval": ("rows", "path", "split"),  # the held-out set (without eval.path its rows are dropped from the training stream)
 }
 CHECKSUMS = "checksums.json"
 

@@ -8,10 +8,15 @@ import pytest
 import torch
 
 from fm_parallel.trainer.config import load_config
-from fm_parallel.trainer.data import SFT_FIELDS, ByteTokenizer, DataError, dpo_rows, sft_rows, validate_jsonl
-from fm_parallel.trainer.objectives import DPO
+from fm_parallel.trainer.data import ByteTokenizer, DataError, dpo_rows, sft_rows
+from fm_parallel.trainer.objectives import DPO, SFT
 
 TOK = ByteTokenizer()
+
+
+def validate_sft(path):
+    """The trainer's check of an SFT data file before training (the number of records)."""
+    return SFT(load_config([], environ={})).validate(str(path), TOK)
 
 
 def write(path, records):
@@ -70,11 +75,11 @@ def test_dpo_samples_are_never_cut(tmp_path):
 
 @pytest.mark.parametrize("content, message", [
     (b'{"text": "a"}\nnot json\n', r":2: expected one JSON object per line, got invalid JSON"),
-    (b'{"text": "a"}\n[1, 2]\n', r":2: expected a JSON object with string fields \['text'\], got an array"),
-    (b'null\n', r":1: expected a JSON object .* got null"),
+    (b'{"text": "a"}\n[1, 2]\n', r":2: expected a JSON object, got an array"),
+    (b"null\n", r":1: expected a JSON object, got null"),
     (b'{"text": "ok"}\n{"text": "\xff\xfe"}\n', r":2: expected UTF-8 text, got byte 0xff"),
-    (b'{"text": 5}\n', r":1: expected string fields \['text'\], missing or not a string: \['text'\] \(got \{'text': 'a number'\}\)"),
-    (b'{"body": "a"}\n', r":1: expected string fields \['text'\], missing"),
+    (b'{"text": 5}\n', r":1: expected an SFT record of one of the formats \{\"text\": str\}; .*; got fields \{'text': 'a number'\}"),
+    (b'{"body": "a"}\n', r":1: expected an SFT record of one of the formats .*\{\"messages\".*got fields \{'body': 'a string'\}"),
     (b'\n\n', r"expected at least one record, got none"),
     (b'{"text": "ok"}\n{"text": "a\\ud800b"}\n', r":2: field 'text' holds an unpaired surrogate"),
     (b'{"text": "ok"}\n\xef\xbb\xbf{"text": "b"}\n', r":2: expected one JSON object per line, got invalid JSON"),
@@ -86,14 +91,14 @@ def test_bad_lines_are_named_by_file_and_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(content)
     with pytest.raises(DataError, match=message) as info:
-        validate_jsonl(str(path), SFT_FIELDS)
+        validate_sft(path)
     assert str(path) in str(info.value)
 
 
 def test_a_byte_order_mark_on_the_first_line_is_not_data(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"text": "hello"}\n{"text": "world"}\n')  # as some Windows tools write
-    assert validate_jsonl(str(path), SFT_FIELDS) == 2
+    assert validate_sft(path) == 2
     row = next(sft_rows(64, TOK, str(path)))
     assert pass_tokens([row]) == [[TOK.bos_id] + list(b"hello"), [TOK.bos_id] + list(b"world")]
 
@@ -103,10 +108,10 @@ def test_validation_reaches_the_last_line_fast(tmp_path):
     lines = [{"text": f"record {i}"} for i in range(20000)] + ["{broken"]
     path = write(tmp_path / "big.jsonl", lines)
     with pytest.raises(DataError, match=r"big.jsonl:20001:"):
-        validate_jsonl(path, SFT_FIELDS)
-    assert validate_jsonl(write(tmp_path / "ok.jsonl", lines[:-1]), SFT_FIELDS) == 20000
-    with pytest.raises(DataError, match="data.path: expected an existing JSONL file"):
-        validate_jsonl(str(tmp_path / "missing.jsonl"), SFT_FIELDS)
+        validate_sft(path)
+    assert validate_sft(write(tmp_path / "ok.jsonl", lines[:-1])) == 20000
+    with pytest.raises(DataError, match="data.path: expected an existing file or folder, got .*missing.jsonl"):
+        validate_sft(tmp_path / "missing.jsonl")
 
 
 def test_builtin_dpo_samples_fit_small_rows():

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fm_parallel.trainer.config import load_config
-from fm_parallel.trainer.data import ByteTokenizer, DataError, validate_jsonl
+from fm_parallel.trainer.data import ByteTokenizer, DataError
 from fm_parallel.trainer.objectives import OBJECTIVES, SFT, Objective
 from fm_parallel.trainer.preflight import preflight
 
@@ -25,10 +25,11 @@ def test_each_objective_validates_its_own_format(tmp_path):
     cfg = load_config([], environ={})
     assert OBJECTIVES["sft"](cfg).validate(sft, TOK) == 2
     assert OBJECTIVES["dpo"](cfg).validate(dpo, TOK) == 1
-    with pytest.raises(DataError, match=r"sft.jsonl:1: expected string fields \['prompt', 'chosen', 'rejected'\]"):
+    with pytest.raises(DataError, match=r"sft.jsonl:1: expected a preference record of one of the formats "
+                                        r"\{\"prompt\", \"chosen\", \"rejected\"\}.*got fields \{'text': 'a string'\}"):
         OBJECTIVES["dpo"](cfg).validate(sft, TOK)
-    with pytest.raises(DataError, match=r"dpo.jsonl:1: expected string fields \['text'\]"):
-        SFT(cfg).validate(dpo)
+    with pytest.raises(DataError, match=r"dpo.jsonl:1: expected an SFT record of one of the formats \{\"text\": str\}"):
+        SFT(cfg).validate(dpo, TOK)
 
 
 def test_a_new_objective_is_one_class_with_its_own_record_check(tmp_path):
@@ -36,15 +37,18 @@ def test_a_new_objective_is_one_class_with_its_own_record_check(tmp_path):
         name = "pairs"
         FIELDS = ("question", "answer")
 
-        def check_record(self, path, line, record, tokenizer):
+        def check_record(self, where, record, tokenizer):
+            super().check_record(where, record, tokenizer)  # the FIELDS are strings
             if record["question"] == record["answer"]:
-                raise DataError(f"{path}:{line}: expected an answer other than the question")
+                raise DataError(f"{where}: expected an answer other than the question")
 
     path = write(tmp_path / "p.jsonl", [{"question": "q", "answer": "a"}, {"question": "x", "answer": "x"}])
     obj = Pairs(load_config([], environ={}))
-    assert obj.validate(path) == 2  # without a tokenizer: the fields only
     with pytest.raises(DataError, match=r"p.jsonl:2: expected an answer other than the question"):
         obj.validate(path, TOK)
+    with pytest.raises(DataError, match=r"t.jsonl:1: expected string fields \['question', 'answer'\], missing or not a "
+                                        r"string: \['answer'\]"):
+        obj.validate(write(tmp_path / "t.jsonl", [{"question": "q"}]), TOK)
 
 
 def test_preflight_runs_the_configured_objectives_check(tmp_path):
@@ -64,8 +68,3 @@ def test_preflight_runs_the_configured_objectives_check(tmp_path):
                           environ={}), TOK, None)
 
 
-def test_validate_jsonl_takes_fields_not_an_objective_name(tmp_path):
-    path = write(tmp_path / "d.jsonl", [{"text": "a"}])
-    for bad in ("sft", (), ["text"], ("text", 1)):
-        with pytest.raises(ValueError, match=r"fields: expected a non-empty tuple of field names \(str\), got "):
-            validate_jsonl(path, bad)
