@@ -114,7 +114,7 @@ def test_pair_and_k_wise_records_train_and_the_export_loads_as_a_sequence_classi
     ({"prompt": "p", "responses": ["a", "b"], "scores": [1, 1]}, "expected at least two responses with different scores"),
     ({"prompt": "p", "chosen": "a", "rejected": ""}, "expected non-empty responses, got an empty response at index 1"),
     ({"prompt": "p", "responses": ["a", "b"], "scores": [1]}, "expected one score per response, got 1 scores for 2 responses"),
-    ({"prompt": "p", "chosen": "a"}, "expected string fields ['prompt', 'chosen', 'rejected'] or 'prompt' with"),
+    ({"prompt": "p", "chosen": "a"}, 'expected a preference record of one of the formats {"prompt", "chosen", "rejected"}'),
     ({"prompt": "p", "chosen": "a", "rejected": "b", "responses": ["a", "b"], "scores": [1, 0]}, "expected either chosen / rejected or responses / scores, got both forms"),
 ])
 def test_a_bad_record_is_refused_naming_file_and_line(tmp_path, capsys, record, message):
