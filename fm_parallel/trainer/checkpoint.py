@@ -25,7 +25,7 @@ __all__ = ["checkpoint_dir", "save", "load", "resume", "check_schedule", "publis
 # The learning-rate schedule a checkpoint was trained under, beside its tensors (and checksummed with them).
 SCHEDULE_FILE = "schedule.json"
 # The shape of optimizer.learning_rate (a new shape gets a new name, so an old checkpoint's is told apart).
-SCHEDULE_KIND = "linear warm-up, cosine to 0.1 x lr"
+SCHEDULE_KIND = "transformers.get_scheduler"
 
 
 def checkpoint_dir(cfg: Config, step: int) -> Path:

@@ -62,6 +62,8 @@ class ModelConfig:
                                           "CPUOffloadPolicy; the optimizer steps on the CPU)")
     lora_rank: int = _key(16, "LoRA rank", low=1)
     lora_alpha: int = _key(32, "LoRA alpha (scale = alpha / rank)", low=1)
+    lora_dropout: float = _key(0.0, "dropout on the LoRA adapters' input (peft's lora_dropout); not with model.tile_chunk "
+                                    "(a tiled layer is recomputed tile by tile)", low=0.0, high=0.99)
     lora_targets: str = _key("q_proj,k_proj,v_proj,o_proj", "comma-separated module names that get LoRA adapters")
     lora_compute: str = _key("base", "dtype of the LoRA products: base (the base weights' dtype, bfloat16 on a GPU; the "
                                      "adapters, their gradients and optimizer state stay float32) | float32 (peft's "
@@ -114,9 +116,18 @@ class DataConfig:
 
 @dataclass
 class TrainingConfig:
-    steps: int = _key(30, "optimizer steps", low=1)
-    lr: float = _key(1e-3, "peak learning rate (linear warm-up, then cosine to a tenth)", low=0.0, low_open=True)
-    warmup: int = _key(3, "warm-up steps", low=0)
+    steps: int = _key(30, "optimizer steps (or training.epochs)", low=1)
+    epochs: float = _key(0.0, "passes over the training data; > 0: the steps are the rows of that many passes over "
+                              "the rows per step, rounded up (set it or training.steps, not both); 0: training.steps",
+                         low=0.0)
+    lr: float = _key(1e-3, "peak learning rate", low=0.0, low_open=True)
+    scheduler: str = _key("cosine_with_min_lr", "learning-rate schedule after the warm-up, transformers.get_scheduler's: "
+                                                "cosine_with_min_lr (cosine to a tenth of lr) | cosine | linear | constant",
+                          choices=("cosine_with_min_lr", "cosine", "linear", "constant"))
+    warmup: int = _key(3, "warm-up steps (linear from 0, as transformers' schedules)", low=0)
+    weight_decay: float = _key(0.0, "AdamW weight decay on matrices (biases and norm weights never decay, as HF Trainer)",
+                               low=0.0)
+    max_grad_norm: float = _key(1.0, "clip the gradients' global norm to this (0: no clipping)", low=0.0)
     seed: int = _key(0, "seed of the model's initialisation", low=0)
     grad_accum: int = _key(1, "rows per data-parallel rank per step", low=1)
     loss_chunk: int = _key(1024, "tokens per chunk of the chunked loss (full-vocabulary logits never exist at once)", low=1)
@@ -290,6 +301,10 @@ def _check_relations(cfg: Config) -> None:
     if m.finetune == "full" and m.checkpoint_every != 1:
         raise ConfigError(f"model.checkpoint_every: expected 1 with model.finetune = 'full' (a checkpoint spanning several "
                           f"FSDP units would recompute layers whose weights are not gathered), got {m.checkpoint_every}")
+    if m.lora_dropout and m.tile_chunk:
+        raise ConfigError(f"model.lora_dropout: expected 0 with model.tile_chunk = {m.tile_chunk} (a tiled layer recomputes "
+                          f"its tiles in the backward without the forward's dropout masks), got {m.lora_dropout}; set "
+                          "model.tile_chunk = 0 to train with dropout")
     if m.compile == "on" and not m.tile_chunk:
         raise ConfigError("model.compile: expected model.tile_chunk > 0 with compile on (it compiles the tiled layers' "
                           "parts), got tile_chunk 0; set model.tile_chunk (e.g. 16384) or model.compile = 'auto'")
@@ -527,6 +542,9 @@ def load_config(argv: list[str] | None = None, environ: dict | None = None) -> C
         i += 1
     if args.resume:
         cfg.output.resume = True
+    if cfg.training.epochs and "training.steps" in given:
+        raise ConfigError(f"training.steps: expected unset with training.epochs = {cfg.training.epochs:g} (the epochs "
+                          f"decide the steps), got {cfg.training.steps}; set one of them")
     if args.config is not None and "output.dir" not in given:
         cfg.output.dir = f"runs/{args.config.stem}"  # each config its own run directory: runs never collide by default
     _check_relations(cfg)

@@ -25,6 +25,7 @@ never cut: one that does not fit a row raises naming its line and sizes.
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 import random
 import sysconfig
@@ -127,6 +128,11 @@ class Row:
     scores: torch.Tensor | None = None  # RM: [samples, K] float64, each response's score (NaN: no such response)
 
 
+def _passes(passes: int | None):
+    """The passes over the data a row stream makes: ``passes`` of them, or (None) for ever."""
+    return itertools.count() if passes is None else range(passes)
+
+
 def stdlib_texts() -> Iterator[str]:
     """The standard library's Python sources, sorted by path (the same on every machine of one Python)."""
     root = sysconfig.get_paths()["stdlib"]
@@ -167,7 +173,7 @@ def _labels(ids: torch.Tensor, sample: torch.Tensor, scored: torch.Tensor) -> to
 
 
 def sft_rows(seq_len: int, tokenizer, path: str = "", max_doc_tokens: int = 0, split: str = "train",
-             assistant_only: bool = True, completion_only: bool = True) -> Iterator[Row]:
+             assistant_only: bool = True, completion_only: bool = True, passes: int | None = None) -> Iterator[Row]:
     """Packed SFT rows of ``seq_len`` tokens, forever (the corpus repeats). Each pass over the corpus
     ends with its partial row, padded: every token of every record is in exactly one row per pass.
     Records are any SFT format (:func:`~fm_parallel.trainer.formats.sft_document`; ``assistant_only``,
@@ -189,7 +195,7 @@ def sft_rows(seq_len: int, tokenizer, path: str = "", max_doc_tokens: int = 0, s
         for where, record in records(path, split):
             yield sft_document(tokenizer, record, where, assistant_only, completion_only)
 
-    while True:
+    for _ in _passes(passes):
         lengths: list[int] = []
         tokens: list[int] = []
         scored: list[bool] = []
@@ -251,7 +257,8 @@ def _dpo_samples(tokenizer, path: str, seq_len: int, layout: str = "shared",
         yield ids[:prompt], chosen, rejected
 
 
-def dpo_rows(seq_len: int, tokenizer, path: str = "", layout: str = "shared", split: str = "train") -> Iterator[Row]:
+def dpo_rows(seq_len: int, tokenizer, path: str = "", layout: str = "shared", split: str = "train",
+             passes: int | None = None) -> Iterator[Row]:
     """Packed DPO rows: several samples per row. ``layout="shared"``: [prompt, SEP chosen, SEP rejected]
     under the ``dpo`` mask; ``"separate"``: [prompt, SEP chosen] and [prompt, SEP rejected] as two causal
     documents (TRL's layout). Samples are never cut; each pass ends with its partial row, padded."""
@@ -259,7 +266,7 @@ def dpo_rows(seq_len: int, tokenizer, path: str = "", layout: str = "shared", sp
         raise DataError(f"data.seq_len: expected an int >= 2, got {seq_len!r}")
     if layout not in DPO_LAYOUTS:
         raise DataError(f"data.dpo_layout: expected one of {DPO_LAYOUTS}, got {layout!r}")
-    while True:
+    for _ in _passes(passes):
         parts: list[tuple[list[int], list[int], list[int]]] = []
         used = 0
         produced = False
@@ -323,7 +330,7 @@ def rm_sample(where: str, tokenizer, record: dict, seq_len: int) -> tuple[list[i
     return prompt, ids, scores
 
 
-def rm_rows(seq_len: int, tokenizer, path: str = "", split: str = "train") -> Iterator[Row]:
+def rm_rows(seq_len: int, tokenizer, path: str = "", split: str = "train", passes: int | None = None) -> Iterator[Row]:
     """Packed reward-model rows: several samples per row, each ``[prompt, SEP r1, ..., SEP rK]`` under the
     ``preference`` mask (a response sees the prompt and itself), each response's positions continuing
     right after the prompt. ``labels`` are 1 at each response's last token (where its reward is read),
@@ -340,7 +347,7 @@ def rm_rows(seq_len: int, tokenizer, path: str = "", split: str = "train") -> It
         else:
             yield from _rm_builtin(tokenizer, seq_len)
 
-    while True:
+    for _ in _passes(passes):
         parts, used, produced = [], 0, False
         for p, responses, scores in samples():
             produced = True

@@ -9,6 +9,7 @@ layout computes one process's update. Model: :mod:`.model`; resume: :mod:`.check
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import time
@@ -28,7 +29,7 @@ from fm_parallel.trainer.flops import rows_flops
 from fm_parallel.trainer.fsdp import in_root
 from fm_parallel.trainer.memory import GIB, plan_shortfall, prefer_expandable_segments
 from fm_parallel.trainer.model import build_model, build_tokenizer, compiles
-from fm_parallel.trainer.objectives import objective as make_objective
+from fm_parallel.trainer.objectives import objective as make_objective, rows_per_pass
 from fm_parallel.trainer.optimizer import build_optimizer, set_learning_rate, update
 from fm_parallel.trainer.preflight import preflight
 from fm_parallel.user_errors import exit_with_user_error
@@ -66,6 +67,11 @@ def _train(cfg: Config, stopped) -> dict:
             "segments; set the variable yourself to choose)")
     runs.check_run_dir(cfg)  # every rank, before anything is written
     lay = parallel.layout(cfg)
+    per_pass = rows_per_pass(cfg, make_objective(cfg), tokenizer, len(held.digests))
+    if cfg.training.epochs:  # the steps of that many passes (before run.json and the schedule read them)
+        cfg.training.steps = max(1, math.ceil(cfg.training.epochs * per_pass / (lay.dp * cfg.training.grad_accum)))
+        say(f"training.epochs = {cfg.training.epochs:g}: {per_pass} rows per pass, {lay.dp * cfg.training.grad_accum} "
+            f"per step: {cfg.training.steps} steps")
     device = parallel.device()
     plan = plan_run(cfg, device, tokenizer.vocab_size, cp=lay.cp, say=say)  # auto: planned (or refused) before any build
     dist.barrier()  # no rank writes until every rank has checked the directory
@@ -99,18 +105,22 @@ def _train(cfg: Config, stopped) -> dict:
         rows_done += len(rows)
         denom = objective.denominator(rows)
         lr = set_learning_rate(optim, cfg, step)
-        local_loss = torch.zeros((), device=device, dtype=torch.float64)
+        local_loss, sums = torch.zeros((), device=device, dtype=torch.float64), {}
         for row in rows[lay.dp_rank :: lay.dp]:
-            loss = in_root(model, objective.loss, model, parallel.prepare_batch(row, lay, cfg, device), lay) / denom
-            loss.backward()
-            local_loss += loss.detach().double()
-        grad_norm = update(params, optim)  # the whole world's gradients; losses were normalised globally
+            loss, row_sums = in_root(model, objective.loss_and_sums, model, parallel.prepare_batch(row, lay, cfg, device), lay)
+            (loss / denom).backward()
+            local_loss += loss.detach().double() / denom
+            sums = {k: sums.get(k, 0.0) + v.detach().double().cpu() for k, v in row_sums.items()}
+        grad_norm = update(params, optim, cfg.training.max_grad_norm)  # the whole world's gradients; losses were normalised globally
         dist.all_reduce(local_loss)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         flops = rows_flops(cfg, model.get_base_model().config, rows) if device.type == "cuda" else None  # MFU: GPU only
         record = metrics.step_record(step, local_loss.item(), len(rows) * cfg.data.seq_len, time.perf_counter() - t0,
                                      lr, device, policy, grad_norm, flops, compiled_since)
+        record.update(metrics.step_sums(sums, objective.STEP_SUMS, device))
+        if per_pass:
+            record["epoch"] = rows_done / per_pass
         if plan is not None:
             record["planned_gib"] = plan.device_bytes / GIB
             missed = plan_shortfall(plan, record["memory_gib"] * GIB)  # the largest over the ranks: all agree

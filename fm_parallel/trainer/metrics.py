@@ -7,7 +7,9 @@ held-out evaluation, TensorBoard / W&B, and at the end the plot ``training.png``
     if held.due(step): progress.write(log.append(held.evaluate(...)))
     summary = finish(cfg, out_dir, rank, log)          # plot, summary; the loggers closed
 
-A training line holds ``step, loss, loss_ema, lr, grad_norm, memory_gib, tokens_per_s, step_s`` (and
+A training line holds ``step, loss, loss_ema, learning_rate, grad_norm, memory_gib, tokens_per_s, step_s``
+(HF Trainer's names where it has one; ``epoch`` with a data file or ``training.epochs``; DPO and reward
+models add TRL's per-step metrics, ``rewards/chosen``, ...; and
 ``peak_gib``, ``tflops`` per GPU and ``mfu`` on GPU, ``host_gib`` with offloaded checkpoints); an evaluation line ``step, eval_loss,
 eval_rows`` (DPO: ``eval_reward_accuracy, eval_reward_margin``, TRL's rewards/accuracies and margins).
 """
@@ -26,7 +28,19 @@ from fm_parallel.trainer.config import Config, ConfigError
 from fm_parallel.trainer.data import Row
 
 __all__ = ["MetricsLog", "Progress", "HeldOut", "Loggers", "row_digest", "memory_gib", "ema", "step_started", "step_record",
-           "compile_seconds", "first_step_costs", "plot", "finish"]
+           "compile_seconds", "first_step_costs", "plot", "finish", "step_sums"]
+
+
+def step_sums(sums: dict, names: tuple[str, ...], device) -> dict[str, float]:
+    """The objective's per-step metrics (:attr:`Objective.STEP_SUMS`): this rank's ``sums`` of the step's
+    rows summed over the world (collective) and divided by their ``count``; {} for none."""
+    if not names:
+        return {}
+    flat = torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64).reshape(()) for k in names]).to(device)
+    dist.all_reduce(flat)
+    values = dict(zip(names, flat.tolist()))
+    count = max(values.pop("count"), 1e-12)
+    return {k: v / count for k, v in values.items()}
 
 
 def _logged_step(line: str) -> int:
@@ -124,7 +138,7 @@ def step_record(step: int, loss: float, tokens: int, elapsed: float, lr: float, 
     what the whole step computed (:func:`~fm_parallel.trainer.flops.rows_flops`): on a GPU the record
     gets ``tflops`` per GPU and ``mfu``, their share of the GPU's dense bf16 peak; ``compiled_since``:
     :func:`step_started`'s return (the record gets :func:`first_step_costs`, this rank's)."""
-    record = {"step": step, "loss": loss, "lr": lr}
+    record = {"step": step, "loss": loss, "learning_rate": lr}
     if flops and device.type == "cuda":
         from fm_parallel.trainer.flops import peak_tflops
 
@@ -162,7 +176,7 @@ class Progress:
             return
         step = record["step"]
         if (step + 1) % self.cfg.output.log_every == 0 or step + 1 == self.cfg.training.steps:
-            shown = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}"}
+            shown = {"loss": f"{record['loss']:.4f}", "lr": f"{record['learning_rate']:.2e}"}
             if "grad_norm" in record:
                 shown["gnorm"] = f"{record['grad_norm']:.3f}"
             if "memory_gib" in record:

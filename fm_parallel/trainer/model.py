@@ -167,7 +167,7 @@ def build_model(cfg: Config, vocab_size: int, device, save_base=None, head: str 
         model.train()
         model.checkpoint_policy = policy
         return model
-    lora = LoraConfig(r=cfg.model.lora_rank, lora_alpha=cfg.model.lora_alpha,
+    lora = LoraConfig(r=cfg.model.lora_rank, lora_alpha=cfg.model.lora_alpha, lora_dropout=cfg.model.lora_dropout,
                       target_modules=[t.strip() for t in cfg.model.lora_targets.split(",") if t.strip()],
                       **({"task_type": "SEQ_CLS"} if head == "score" else {}))
     model = get_peft_model(base, lora)

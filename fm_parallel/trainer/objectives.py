@@ -26,7 +26,7 @@ from fm_parallel.trainer.sources import validate_records
 from fm_parallel.trainer.model import hidden_states
 from fm_parallel.trainer.tiles import tiled_map, tiled_sum
 
-__all__ = ["Objective", "SFT", "DPO", "RM", "OBJECTIVES", "objective", "chunked", "chunked_cross_entropy"]
+__all__ = ["Objective", "SFT", "DPO", "RM", "OBJECTIVES", "objective", "rows_per_pass", "chunked", "chunked_cross_entropy"]
 
 
 def chunked(head, hidden, labels, chunk: int, fn):
@@ -80,8 +80,9 @@ class Objective:
         if missing:
             raise DataError(f"{where}: expected string fields {list(self.FIELDS)}, missing or not a string: {missing}")
 
-    def rows(self, tokenizer):
-        """The endless, deterministic stream of packed :class:`Row` s (the same on every rank)."""
+    def rows(self, tokenizer, passes: int | None = None):
+        """The deterministic stream of packed :class:`Row` s (the same on every rank): ``passes`` passes
+        over the data, or (None) endless."""
         raise NotImplementedError
 
     def longest_document(self) -> int:
@@ -97,6 +98,15 @@ class Objective:
     def loss(self, model, batch, layout) -> torch.Tensor:
         """This rank's summed loss of one row (a scalar; unnormalised)."""
         raise NotImplementedError
+
+    # The sums :meth:`loss_and_sums` returns beside the loss: "count" (what they are divided by), then
+    # each metric logged per count with every training step (TRL's names: ``rewards/chosen``, ...).
+    STEP_SUMS: tuple[str, ...] = ()
+
+    def loss_and_sums(self, model, batch, layout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(loss, sums)``: :meth:`loss`, and this rank's detached :attr:`STEP_SUMS` of the row (summed
+        over the world, they are the step's)."""
+        return self.loss(model, batch, layout), {}
 
     # The sums :meth:`eval_sums` returns: "loss" and "count" (what it is divided by), then any more,
     # each reported per count (``eval_<name>`` in metrics.jsonl).
@@ -119,9 +129,10 @@ class SFT(Objective):
         d = self.cfg.data
         sft_document(tokenizer, record, where, d.assistant_only_loss, d.completion_only_loss)
 
-    def rows(self, tokenizer):
+    def rows(self, tokenizer, passes=None):
         d = self.cfg.data
-        return sft_rows(d.seq_len, tokenizer, d.path, d.max_doc_tokens, d.split, d.assistant_only_loss, d.completion_only_loss)
+        return sft_rows(d.seq_len, tokenizer, d.path, d.max_doc_tokens, d.split, d.assistant_only_loss,
+                        d.completion_only_loss, passes)
 
     def denominator(self, rows):
         return max(sum(int((r.labels != -100).sum()) for r in rows), 1)
@@ -141,9 +152,9 @@ class DPO(Objective):
     name = "dpo"
     NOT_FULL = "its reference is the base with the adapter disabled; a frozen reference copy is not built yet"
 
-    def rows(self, tokenizer):
+    def rows(self, tokenizer, passes=None):
         d = self.cfg.data
-        return dpo_rows(d.seq_len, tokenizer, d.path, d.dpo_layout, d.split)
+        return dpo_rows(d.seq_len, tokenizer, d.path, d.dpo_layout, d.split, passes)
 
     def check_record(self, where, record, tokenizer):
         # A sample is never cut (its responses would lose their ends), so one longer than a row is refused.
@@ -173,9 +184,18 @@ class DPO(Objective):
         return layout.cp_sum(policy), layout.cp_sum(reference)
 
     def loss(self, model, batch, layout):
-        losses, _ = dpo_loss(*self.logps(model, batch, layout), self.cfg.training.dpo_beta)
-        # Each CP rank holds the same per-sample sums; 1/cp makes the world-summed gradient exact.
-        return losses.sum() / layout.cp
+        return self.loss_and_sums(model, batch, layout)[0]
+
+    # TRL's DPOTrainer logs these every step, per sample.
+    STEP_SUMS = ("count", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                 "logps/rejected")
+
+    def loss_and_sums(self, model, batch, layout):
+        losses, metrics = dpo_loss(*self.logps(model, batch, layout), self.cfg.training.dpo_beta)
+        # Each CP rank holds the same per-sample sums; 1/cp makes the world-summed gradient (and sums) exact.
+        cp = layout.cp
+        sums = {k: metrics[k].sum() / cp for k in self.STEP_SUMS[1:]}
+        return losses.sum() / cp, {"count": torch.tensor(losses.numel() / cp), **sums}
 
     # TRL's rewards/accuracies (chosen reward above rejected) and rewards/margins, per sample.
     EVAL_SUMS = ("loss", "count", "reward_accuracy", "reward_margin")
@@ -195,8 +215,8 @@ class RM(Objective):
     name = "rm"
     HEAD = "score"
 
-    def rows(self, tokenizer):
-        return rm_rows(self.cfg.data.seq_len, tokenizer, self.cfg.data.path, self.cfg.data.split)
+    def rows(self, tokenizer, passes=None):
+        return rm_rows(self.cfg.data.seq_len, tokenizer, self.cfg.data.path, self.cfg.data.split, passes)
 
     def check_record(self, where, record, tokenizer):
         rm_sample(where, tokenizer, record, self.cfg.data.seq_len)
@@ -218,9 +238,17 @@ class RM(Objective):
         return bradley_terry_loss(self.rewards(model, batch, layout), batch.scores)
 
     def loss(self, model, batch, layout):
-        losses, _ = self._pairs(model, batch, layout)
-        # Each CP rank holds the same rewards; 1/cp makes the world-summed gradient exact.
-        return losses.sum() / layout.cp
+        return self.loss_and_sums(model, batch, layout)[0]
+
+    # Per ranked pair, every step: TRL's RewardTrainer's accuracy and margin, and the pairs' rewards.
+    STEP_SUMS = ("count", "accuracy", "margin", "rewards/chosen", "rewards/rejected")
+
+    def loss_and_sums(self, model, batch, layout):
+        losses, metrics = self._pairs(model, batch, layout)
+        # Each CP rank holds the same rewards; 1/cp makes the world-summed gradient (and sums) exact.
+        cp = layout.cp
+        sums = {k: metrics[k].detach().sum() / cp for k in self.STEP_SUMS[1:]}
+        return losses.sum() / cp, {"count": torch.tensor(losses.numel() / cp), **sums}
 
     # TRL's RewardTrainer metrics, per ranked pair.
     EVAL_SUMS = ("loss", "count", "accuracy", "margin", "reward_chosen", "reward_rejected")
@@ -234,6 +262,19 @@ class RM(Objective):
 
 
 OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (SFT, DPO, RM)}
+
+
+def rows_per_pass(cfg: Config, objective: Objective, tokenizer, held_out: int = 0) -> int | None:
+    """The training rows one pass over the data packs into (less ``held_out`` rows held out of the
+    stream for evaluation): what ``training.epochs`` and the logged ``epoch`` count in. None for the
+    built-in corpus unless ``training.epochs`` asks (counting costs a pass over the data)."""
+    if not (cfg.data.path or cfg.training.epochs):
+        return None
+    rows = sum(1 for _ in objective.rows(tokenizer, passes=1)) - held_out
+    if rows < 1:
+        raise ConfigError(f"eval.rows: expected fewer rows than the {rows + held_out} of one pass over the training data, "
+                          f"got {held_out}: none would be left to train on")
+    return rows
 
 
 def objective(cfg: Config) -> Objective:

@@ -48,7 +48,7 @@ def test_a_user_error_after_the_progress_bar_started_is_on_its_own_line(tmp_path
     from fm_parallel.trainer import loop
     from fm_parallel.trainer.config import ConfigError
 
-    def refuse(params, optim):
+    def refuse(params, optim, max_norm):
         raise ConfigError("parallel.impl: refused inside a step")
 
     monkeypatch.setattr(loop, "update", refuse)

@@ -52,7 +52,7 @@ def test_eval_rows_are_logged_at_their_steps_and_the_step_metrics_are_complete(d
         assert r["eval_rows"] == 2 and "loss" not in r
         assert math.isfinite(r["eval_loss"]) and 0 <= r["eval_reward_accuracy"] <= 1 and "eval_reward_margin" in r
     for r in train:
-        assert r["lr"] > 0 and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 and r["memory_gib"] > 0
+        assert r["learning_rate"] > 0 and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 and r["memory_gib"] > 0
         assert "eval_loss" not in r
     # The progress bar shows them too (tqdm writes to stderr).
     assert all(f"{k}=" in proc.stderr for k in ("loss", "lr", "gnorm", "mem")), proc.stderr[-2000:]
@@ -124,7 +124,7 @@ def test_tensorboard_events_hold_the_scalars(dpo_run):
     acc = EventAccumulator(str(out / "tensorboard"))
     acc.Reload()
     records = _records(out)
-    for tag, key, split in (("train/loss", "loss", "loss"), ("train/lr", "lr", "loss"), ("train/grad_norm", "grad_norm", "loss"),
+    for tag, key, split in (("train/loss", "loss", "loss"), ("train/learning_rate", "learning_rate", "loss"), ("train/grad_norm", "grad_norm", "loss"),
                             ("train/memory_gib", "memory_gib", "loss"), ("train/loss_ema", "loss_ema", "loss"),
                             ("eval/loss", "eval_loss", "eval_loss"), ("eval/reward_accuracy", "eval_reward_accuracy", "eval_loss")):
         want = [(r["step"], r[key]) for r in records if split in r]
