@@ -26,6 +26,7 @@ import torch
 from fm_parallel.integrations import transformers as fm_hf
 from fm_parallel.integrations.collator import FlashMaskCollator, response_logps
 from fm_parallel.integrations.metrics_trainer import LossMetricsTrainer
+from fm_parallel.integrations.text_examples import tokenize_datasets
 from fm_parallel.integrations.world import check_trainer_world
 from fm_parallel.preference import dpo_loss  # written in preference.py, for both front doors; still exported here
 
@@ -66,9 +67,13 @@ class FlashMaskDPOTrainer(LossMetricsTrainer):
         data_collator: default ``FlashMaskCollator(vocab_size=model.config.vocab_size, preference=True)``,
             one row per batch; pass ``FlashMaskCollator(seq_len=...)`` to pack into rows of a fixed length
             (used with ``preference=True``).
-        **kwargs: the rest of ``Trainer``'s arguments (``train_dataset``, ``eval_dataset``, ...).
-    Examples: ``{"prompt_ids", "chosen_ids", "rejected_ids"}`` (or ``response_ids`` with two
-    responses), lists of token ids. The loss of a step is the mean over its pairs, as TRL's.
+        **kwargs: the rest of ``Trainer``'s arguments (``train_dataset``, ``eval_dataset``,
+            ``processing_class``, ...).
+    Examples: TRL's ``DPOTrainer`` records (``{"prompt", "chosen", "rejected"}`` as strings or
+    conversations, or ``{"chosen", "rejected"}``), tokenized with ``processing_class`` as TRL tokenizes
+    them (:mod:`fm_parallel.integrations.text_examples`: the losses are TRL's); or token ids
+    ``{"prompt_ids", "chosen_ids", "rejected_ids"}`` (or ``response_ids`` with two responses). The
+    loss of a step is the mean over its pairs, as TRL's.
     """
 
     loss_is_scaled_for_ga = False  # a mean over this micro-batch's pairs: the Trainer divides by the accumulation steps
@@ -94,6 +99,7 @@ class FlashMaskDPOTrainer(LossMetricsTrainer):
             # The user's packing settings, for the rows this trainer exists for (a copy: theirs is left as given).
             data_collator = FlashMaskCollator(data_collator.seq_len, data_collator.pad_token_id, data_collator.vocab_size,
                                               preference=True)
+        kwargs = tokenize_datasets(kwargs, "dpo")  # TRL's text records, tokenized as TRL does (processing_class)
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         check_trainer_world(self.args)  # every launched rank trains one model, or the Trainer refuses
         self.beta = float(beta)

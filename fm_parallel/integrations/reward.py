@@ -26,6 +26,7 @@ from fm_parallel import logprobs
 from fm_parallel.integrations.collator import FlashMaskCollator, response_ends
 from fm_parallel.integrations.dpo import _check_attention, check_preference_rows
 from fm_parallel.integrations.metrics_trainer import LossMetricsTrainer
+from fm_parallel.integrations.text_examples import tokenize_datasets
 from fm_parallel.integrations.world import check_trainer_world
 from fm_parallel.preference import bradley_terry_loss
 
@@ -58,7 +59,10 @@ class FlashMaskRewardTrainer(LossMetricsTrainer):
         args: ``TrainingArguments``.
         data_collator: default ``FlashMaskCollator(pad_token_id=..., vocab_size=..., preference=True)``, one
             row per batch; ``FlashMaskCollator(seq_len=...)`` packs rows of a fixed length.
-        **kwargs: the rest of ``Trainer``'s arguments (``train_dataset``, ``eval_dataset``, ...).
+        **kwargs: the rest of ``Trainer``'s arguments (``train_dataset``, ``eval_dataset``,
+            ``processing_class``, ...). Text datasets in TRL's ``RewardTrainer`` formats (and
+            ``{"prompt", "responses", "scores"}``) are tokenized with ``processing_class`` as TRL does
+            (:mod:`fm_parallel.integrations.text_examples`).
     """
 
     loss_is_scaled_for_ga = False  # a mean over this micro-batch's pairs: the Trainer divides by the accumulation steps
@@ -78,6 +82,7 @@ class FlashMaskRewardTrainer(LossMetricsTrainer):
         elif isinstance(data_collator, FlashMaskCollator) and not data_collator.preference:
             data_collator = FlashMaskCollator(data_collator.seq_len, data_collator.pad_token_id, data_collator.vocab_size,
                                               preference=True)
+        kwargs = tokenize_datasets(kwargs, "rm")  # TRL's text records, tokenized as TRL does (processing_class)
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         check_trainer_world(self.args)
 

@@ -9,7 +9,7 @@ document.
 Every record is trained on exactly once per pass over the data: the last, partial row of a pass is
 padded and yielded, never dropped (a data set smaller than one row is one padded row per pass).
 Records come from :mod:`.sources` (a JSONL, Parquet or Arrow file or folder, or a cached ``datasets``
-name) in TRL's formats (:mod:`.formats`: text, messages, prompt-completion; preference pairs), and are
+name) in TRL's formats (:mod:`fm_parallel.formats`: text, messages, prompt-completion; preference pairs), and are
 checked in one pass before training (:meth:`fm_parallel.trainer.objectives.Objective.validate`): a bad
 record raises naming ``file:line``.
 
@@ -36,7 +36,7 @@ import torch
 
 from fm_parallel import masks
 from fm_parallel.masks.flashmask import FlashMask
-from fm_parallel.trainer.formats import DataError, preference_sample, sft_document
+from fm_parallel.formats import DataError, HFTokens, preference_sample, sft_document
 from fm_parallel.trainer.sources import records
 
 __all__ = ["ByteTokenizer", "load_tokenizer", "Row", "sft_rows", "dpo_rows", "stdlib_texts", "DataError",
@@ -66,44 +66,13 @@ class ByteTokenizer:
                         "tokenizer has none: set model.path (or data.tokenizer) to a Hugging Face folder whose tokenizer has one")
 
 
-class _HFTokenizer:
-    """A Hugging Face tokenizer, used as TRL's trainers use it (:mod:`fm_parallel.trainer.formats`)."""
+class _HFTokenizer(HFTokens):
+    """The tokenizer of a local Hugging Face folder, used as TRL's trainers use it (:mod:`fm_parallel.formats`)."""
 
     def __init__(self, path: str):
         from transformers import AutoTokenizer
 
-        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.path = path
-        self.vocab_size = len(self.tok)
-        self.bos_id = self.tok.bos_token_id if self.tok.bos_token_id is not None else self.tok.eos_token_id
-        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.bos_id
-        self.eos_text = self.tok.eos_token or ""
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False)
-
-    def text_ids(self, text: str) -> list[int]:
-        """``tokenizer(text)``'s ids, special tokens included (a BOS where the tokenizer adds one), as TRL tokenizes."""
-        return list(self.tok(text)["input_ids"])
-
-    def chat_template(self, where: str = "") -> str | None:
-        template = self.tok.chat_template
-        return template if isinstance(template, str) else None
-
-    def chat_ids(self, messages, where: str, add_generation_prompt: bool = False, assistant_mask: bool = False):
-        """``(ids, assistant mask or None)`` of a conversation through the tokenizer's chat template."""
-        if not self.tok.chat_template:
-            raise DataError(f"{where}: a conversation (a message list) needs a tokenizer with a chat template; the "
-                            f"tokenizer of {self.path} has none")
-        try:
-            out = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                               add_generation_prompt=add_generation_prompt,
-                                               return_assistant_tokens_mask=assistant_mask)
-        except Exception as e:  # noqa: BLE001 - a template raises its own errors (jinja's, or raise_exception)
-            raise DataError(f"{where}: the chat template of {self.path} refused the conversation "
-                            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
-        ids = list(out["input_ids"])
-        return ids, (list(out["assistant_masks"]) if assistant_mask else None)
+        super().__init__(AutoTokenizer.from_pretrained(path, local_files_only=True), name=path)
 
 
 def load_tokenizer(path: str = ""):
@@ -152,7 +121,7 @@ def _dpo_size(p: int, c: int, r: int, layout: str) -> int:
 def check_dpo_sample(where: str, tokenizer, record: dict, seq_len: int,
                      layout: str = "shared") -> tuple[list[int], list[int], list[int]]:
     """The (prompt, chosen, rejected) tokens of the DPO ``record`` found at ``where`` (``file:line``):
-    TRL's tokens (:func:`~fm_parallel.trainer.formats.preference_sample`); a :class:`DataError` naming
+    TRL's tokens (:func:`~fm_parallel.formats.preference_sample`); a :class:`DataError` naming
     ``where`` and the sizes if the sample does not fit one row of ``seq_len`` tokens in ``layout`` (a
     sample is never cut)."""
     p, (c, r), _ = preference_sample(tokenizer, record, where)
@@ -176,7 +145,7 @@ def sft_rows(seq_len: int, tokenizer, path: str = "", max_doc_tokens: int = 0, s
              assistant_only: bool = True, completion_only: bool = True, passes: int | None = None) -> Iterator[Row]:
     """Packed SFT rows of ``seq_len`` tokens, forever (the corpus repeats). Each pass over the corpus
     ends with its partial row, padded: every token of every record is in exactly one row per pass.
-    Records are any SFT format (:func:`~fm_parallel.trainer.formats.sft_document`; ``assistant_only``,
+    Records are any SFT format (:func:`~fm_parallel.formats.sft_document`; ``assistant_only``,
     ``completion_only``: which of their tokens are scored) from ``path`` (its ``split``; empty: the
     stdlib corpus as text). A document longer than ``max_doc_tokens`` (0: ``seq_len``) is split into
     consecutive pieces of at most that many tokens, each its own document (no attention across pieces)."""
@@ -317,7 +286,7 @@ def rm_sample(where: str, tokenizer, record: dict, seq_len: int) -> tuple[list[i
     """The (prompt, responses, scores) tokens of the reward-model ``record`` found at ``where``
     (``file:line``): a preference pair (chosen scores 1, rejected 0; strings or message lists, the
     prompt explicit or implicit) or ``{"prompt", "responses": [...], "scores": [...]}``
-    (:func:`~fm_parallel.trainer.formats.preference_sample`). A :class:`DataError` naming ``where`` for
+    (:func:`~fm_parallel.formats.preference_sample`). A :class:`DataError` naming ``where`` for
     a record of no such form, fewer than two responses, an empty response, a score count other than the
     responses', scores that rank nothing (all equal), or a sample that does not fit one row of
     ``seq_len`` tokens (a sample is never cut)."""

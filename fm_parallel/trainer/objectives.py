@@ -21,7 +21,7 @@ from fm_parallel.logprobs import at_least_float32, response_sums, token_logps
 from fm_parallel.preference import bradley_terry_loss, dpo_loss
 from fm_parallel.trainer.config import Config, ConfigError
 from fm_parallel.trainer.data import Row, check_dpo_sample, dpo_rows, rm_rows, rm_sample, sft_rows
-from fm_parallel.trainer.formats import DataError, sft_document
+from fm_parallel.formats import DataError, sft_document
 from fm_parallel.trainer.sources import validate_records
 from fm_parallel.trainer.model import hidden_states
 from fm_parallel.trainer.tiles import tiled_map, tiled_sum
@@ -48,7 +48,7 @@ class Objective:
 
     name = ""
     # String fields every record must hold, checked by the default :meth:`check_record` (the built-in
-    # objectives check TRL's formats instead, :mod:`fm_parallel.trainer.formats`).
+    # objectives check TRL's formats instead, :mod:`fm_parallel.formats`).
     FIELDS: tuple[str, ...] = ()
     # The model's head: "lm" (a causal LM, the next-token logits) or "score" (a sequence classifier with
     # one output, AutoModelForSequenceClassification's, read at chosen positions).

@@ -22,7 +22,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from fm_parallel.trainer.formats import DataError
+from fm_parallel.formats import DataError
 
 __all__ = ["records", "validate_records", "DATASETS_SUFFIXES", "describe"]
 

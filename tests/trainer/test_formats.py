@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fm_parallel.trainer.data import DataError, load_tokenizer, sft_rows
-from fm_parallel.trainer.formats import preference_sample, sft_document
+from fm_parallel.formats import preference_sample, sft_document
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")

@@ -24,20 +24,64 @@ byte tokenizer) starts each text document with its separator instead, so that do
 together. A record of no format, or one whose tokens score nothing, raises :class:`DataError` naming
 where it is (``file:line``) and the formats accepted.
 
-    ids, scored = sft_document(tokenizer, record, where, assistant_only=True, completion_only=True)
-    prompt, responses = preference_sample(tokenizer, record, where)
+    tokens = HFTokens(AutoTokenizer.from_pretrained(path))            # or the trainer's byte tokenizer
+    ids, scored = sft_document(tokens, record, where, assistant_only=True, completion_only=True)
+    prompt, responses, scores = preference_sample(tokens, record, where)
+
+One module for both front doors: the trainer's data (:mod:`fm_parallel.trainer.data`) and the HF
+trainers' text examples (:mod:`fm_parallel.integrations.text_examples`).
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["DataError", "SFT_FORMATS", "PREFERENCE_FORMATS", "sft_document", "preference_sample", "preference_responses",
+__all__ = ["DataError", "HFTokens", "SFT_FORMATS", "PREFERENCE_FORMATS", "sft_document", "preference_sample", "preference_responses",
            "common_prefix_length", "is_messages", "assistant_mask"]
 
 
 class DataError(ValueError):
     """A data file or data setting the user must fix; the message names ``file:line``."""
+
+
+class HFTokens:
+    """A Hugging Face tokenizer as the formats use it (the interface the byte tokenizer also has):
+    ``text_ids`` (``tokenizer(text)``, special tokens included, as TRL tokenizes), ``eos_text``,
+    ``chat_template``, ``chat_ids`` and the separator ``bos_id`` (BOS, else EOS)."""
+
+    def __init__(self, tokenizer, name: str = ""):
+        self.tok = tokenizer
+        self.name = name or getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        self.vocab_size = len(tokenizer)
+        self.bos_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.bos_id
+        self.eos_text = tokenizer.eos_token or ""
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def text_ids(self, text: str) -> list[int]:
+        """``tokenizer(text)``'s ids, special tokens included (a BOS where the tokenizer adds one), as TRL tokenizes."""
+        return list(self.tok(text)["input_ids"])
+
+    def chat_template(self, where: str = "") -> str | None:
+        template = self.tok.chat_template
+        return template if isinstance(template, str) else None
+
+    def chat_ids(self, messages, where: str, add_generation_prompt: bool = False, assistant_mask: bool = False):
+        """``(ids, assistant mask or None)`` of a conversation through the tokenizer's chat template."""
+        if not self.tok.chat_template:
+            raise DataError(f"{where}: a conversation (a message list) needs a tokenizer with a chat template; the "
+                            f"tokenizer of {self.name} has none")
+        try:
+            out = self.tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                               add_generation_prompt=add_generation_prompt,
+                                               return_assistant_tokens_mask=assistant_mask)
+        except Exception as e:  # noqa: BLE001 - a template raises its own errors (jinja's, or raise_exception)
+            raise DataError(f"{where}: the chat template of {self.name} refused the conversation "
+                            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
+        ids = list(out["input_ids"])
+        return ids, (list(out["assistant_masks"]) if assistant_mask else None)
 
 
 SFT_FORMATS = ('{"text": str}', '{"messages": [{"role", "content"}, ...]}',
