@@ -30,8 +30,8 @@ r + 1 response r, -1 padding) and ``fm_sample`` (sample index in the row, -1 pad
 receives it (a plain ``Trainer``, ``model(**batch)``) raises, because next-token loss on both
 responses is not a preference objective; pass the model ``input_ids``, ``position_ids`` and
 ``flashmask`` only, or train with ``FlashMaskDPOTrainer``. A response's first token is not scored: the prompt's last position is shared
-by all responses, so it cannot predict each response's first token (score a separator first if that
-token matters).
+by all responses, so it cannot predict each response's first token (move the prompt's last token to the
+front of each response when that token matters: :mod:`fm_parallel.integrations.text_examples` does).
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ response as in TRL's layout), and trained with the sigmoid DPO loss.
 
 The reference is the peft model with its adapter disabled, or ``ref_model=`` (a frozen model, also on
 the ``fm_parallel`` attention). A response's first token is not scored (the prompt's last position is
-shared by both responses): start responses with a separator token when the first token matters, and the
-losses equal TRL's ``DPOTrainer`` on prompt + separator, response.
+shared by both responses): text datasets (``processing_class``) open each response with the prompt's last
+token, so the losses are TRL's ``DPOTrainer``'s on the same records; token ids can do the same.
 """
 
 from __future__ import annotations

@@ -14,12 +14,14 @@ checked in one pass before training (:meth:`fm_parallel.trainer.objectives.Objec
 record raises naming ``file:line``.
 
 DPO rows pack several ``[prompt, chosen, rejected]`` samples with the ``dpo`` mask (``layout="shared"``:
-the prompt computed once). Each response starts with a separator token so that its first real token
-is predicted from inside the response (the prompt's last position cannot predict both responses'
-first tokens). ``layout="separate"`` is the layout TRL trains: ``[prompt, chosen]`` and
-``[prompt, rejected]`` as two causal documents, the prompt computed twice; the same tokens are
-scored, so both layouts give the same loss (what the end-to-end comparison relies on). A sample is
-never cut: one that does not fit a row raises naming its line and sizes.
+the prompt computed once). The prompt's last token opens each response, so that every response token
+is predicted from inside its response (the prompt's last position cannot predict both responses'
+first tokens): each response's tokens and positions are TRL's ``prompt + response``, every response
+token scored as TRL scores it. ``layout="separate"`` is the layout TRL trains: ``[prompt, chosen]``
+and ``[prompt, rejected]`` as two causal documents, the prompt computed twice; the same tokens are
+scored, so both layouts give the same loss (what the end-to-end comparison relies on). Reward-model
+rows ``[prompt, r1, ..., rK]`` need nothing between: a reward is read at a response's last token.
+A sample is never cut: one that does not fit a row raises naming its line and sizes.
 """
 
 from __future__ import annotations
@@ -114,8 +116,17 @@ def stdlib_texts() -> Iterator[str]:
 
 
 def _dpo_size(p: int, c: int, r: int, layout: str) -> int:
-    """Tokens of one sample in a row: each response starts with a separator; ``separate`` repeats the prompt."""
-    return (2 if layout == "separate" else 1) * p + c + r + 2
+    """Tokens of one sample in a row: the prompt's last token opens each response (:func:`_open_responses`);
+    ``separate`` repeats the prompt."""
+    if not p:
+        return c + r
+    return (2 if layout == "separate" else 1) * (p - 1) + c + r + 2
+
+
+def _open_responses(p: list[int], c: list[int], r: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """``(prompt[:-1], [prompt[-1]] + chosen, [prompt[-1]] + rejected)``: each response opened by the
+    prompt's last token, from whose position its first token is predicted (an empty prompt: as given)."""
+    return (p[:-1], p[-1:] + c, p[-1:] + r) if p else (p, c, r)
 
 
 def check_dpo_sample(where: str, tokenizer, record: dict, seq_len: int,
@@ -128,8 +139,9 @@ def check_dpo_sample(where: str, tokenizer, record: dict, seq_len: int,
     size = _dpo_size(len(p), len(c), len(r), layout)
     if size > seq_len:
         prompt = f"prompt {len(p)}" if layout == "shared" else f"2 x prompt {len(p)} (data.dpo_layout = 'separate')"
-        raise DataError(f"{where}: a DPO sample of {size} tokens ({prompt} + chosen {len(c)} + rejected {len(r)}"
-                        f" + 2 separators) does not fit data.seq_len = {seq_len}; raise seq_len or shorten the sample")
+        raise DataError(f"{where}: a DPO sample of {size} tokens ({prompt} + chosen {len(c)} + rejected {len(r)}, the "
+                        f"prompt's last token opening each response) does not fit data.seq_len = {seq_len}; raise "
+                        "seq_len or shorten the sample")
     return p, c, r
 
 
@@ -242,11 +254,10 @@ def dpo_rows(seq_len: int, tokenizer, path: str = "", layout: str = "shared", sp
         for p, c, r in _dpo_samples(tokenizer, path, seq_len, layout, split):
             produced = True
             size = _dpo_size(len(p), len(c), len(r), layout)
-            c, r = [tokenizer.bos_id] + c, [tokenizer.bos_id] + r
             if used + size > seq_len:
                 yield _dpo_row(parts, seq_len, tokenizer, layout)
                 parts, used = [], 0
-            parts.append((p, c, r))
+            parts.append(_open_responses(p, c, r))
             used += size
         if not produced:
             raise DataError(f"data.path: expected DPO samples, got none in {path or 'the stdlib corpus'}")
@@ -291,16 +302,16 @@ def rm_sample(where: str, tokenizer, record: dict, seq_len: int) -> tuple[list[i
     responses', scores that rank nothing (all equal), or a sample that does not fit one row of
     ``seq_len`` tokens (a sample is never cut)."""
     prompt, ids, scores = preference_sample(tokenizer, record, where, ranked=True)
-    size = len(prompt) + sum(len(r) + 1 for r in ids)
+    size = len(prompt) + sum(len(r) for r in ids)
     if size > seq_len:
         raise DataError(f"{where}: a reward-model sample of {size} tokens (prompt {len(prompt)} + {len(ids)} responses of "
-                        f"{[len(r) for r in ids]} + a separator each) does not fit data.seq_len = {seq_len}; raise seq_len "
-                        "or shorten the sample")
+                        f"{[len(r) for r in ids]}) does not fit data.seq_len = {seq_len}; raise seq_len or shorten the "
+                        "sample")
     return prompt, ids, scores
 
 
 def rm_rows(seq_len: int, tokenizer, path: str = "", split: str = "train", passes: int | None = None) -> Iterator[Row]:
-    """Packed reward-model rows: several samples per row, each ``[prompt, SEP r1, ..., SEP rK]`` under the
+    """Packed reward-model rows: several samples per row, each ``[prompt, r1, ..., rK]`` under the
     ``preference`` mask (a response sees the prompt and itself), each response's positions continuing
     right after the prompt. ``labels`` are 1 at each response's last token (where its reward is read),
     ``scores [samples, K]`` rank the responses. Without a path: the built-in pairs (:func:`_rm_builtin`:
@@ -320,11 +331,11 @@ def rm_rows(seq_len: int, tokenizer, path: str = "", split: str = "train", passe
         parts, used, produced = [], 0, False
         for p, responses, scores in samples():
             produced = True
-            size = len(p) + sum(len(r) + 1 for r in responses)
+            size = len(p) + sum(len(r) for r in responses)
             if used + size > seq_len:
                 yield _rm_row(parts, seq_len, tokenizer)
                 parts, used = [], 0
-            parts.append((p, [[tokenizer.bos_id] + r for r in responses], scores))
+            parts.append((p, responses, scores))
             used += size
         if not produced:
             raise DataError(f"data.path: expected reward-model samples, got none in {path or 'the stdlib corpus'}")

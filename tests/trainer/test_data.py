@@ -64,11 +64,11 @@ def test_dpo_samples_are_never_cut(tmp_path):
     sample = {"prompt": "p" * 40, "chosen": "c" * 50, "rejected": "r" * 45}
     path = write(tmp_path / "d.jsonl", [sample, sample])
     rows = list(itertools.islice(dpo_rows(256, TOK, path), 2))
-    for row in rows:  # both samples (137 tokens each) do not fit one row: one per row, whole
-        assert [int((row.segment == s).sum()) for s in (0, 1, 2)] == [40, 51, 46]
-    with pytest.raises(DataError, match=r"d.jsonl:1: a DPO sample of 137 tokens .* does not fit data.seq_len = 128"):
+    for row in rows:  # both samples (136 tokens each) do not fit one row: one per row, whole
+        assert [int((row.segment == s).sum()) for s in (0, 1, 2)] == [39, 51, 46]
+    with pytest.raises(DataError, match=r"d.jsonl:1: a DPO sample of 136 tokens .* does not fit data.seq_len = 128"):
         next(dpo_rows(128, TOK, path))
-    with pytest.raises(DataError, match=r"d.jsonl:1: a DPO sample of 137 tokens"):
+    with pytest.raises(DataError, match=r"d.jsonl:1: a DPO sample of 136 tokens"):
         # The objective's own record check, before training (the trainer's preflight runs it).
         DPO(load_config(["--data.objective", "dpo", "--data.seq_len", "128"], environ={})).validate(path, TOK)
 

@@ -205,3 +205,44 @@ def test_a_conversation_without_a_chat_template_is_refused_by_name(tmp_path):
     with pytest.raises(DataError, match=r"d.jsonl:1: a conversation \(a message list\) needs a tokenizer with a chat "
                                         r"template; the byte tokenizer has none"):
         SFT(load_config([], environ={})).validate(path, ByteTokenizer())
+
+
+@pytest.mark.parametrize("layout", ["shared", "separate"])
+def test_a_packed_dpo_row_scores_trls_tokens_in_trls_context(folder, tmp_path, layout):
+    """Each response of the trainer's DPO row, read with the prompt it sees, is TRL's ``prompt_ids +
+    chosen_ids`` (``rejected_ids``) token for token, at TRL's positions, and the scored targets are
+    exactly TRL's response tokens, each predicted from the position before it."""
+    from fm_parallel.trainer.data import dpo_rows
+
+    forms = ("explicit", "chat_explicit")  # one form per TRL dataset (its columns' types)
+    records = [r for f in forms for r in PREFERENCE[f]]
+    trl_rows = [t for f in forms for t in trl_preference(folder, PREFERENCE[f], trl.DPOTrainer, trl.DPOConfig,
+                                                         ("prompt_ids", "chosen_ids", "rejected_ids"))]
+    row = next(dpo_rows(512, load_tokenizer(folder), write(tmp_path / "d.jsonl", records), layout))
+    ids, seg, smp, pos, labels = (t.tolist() for t in (row.input_ids, row.segment, row.sample, row.positions, row.labels))
+    dense = row.mask.to_dense()[0, 0]
+    for i, (prompt, chosen, rejected) in enumerate(trl_rows):
+        for s, response in ((1, chosen), (2, rejected)):
+            last = max(t for t in range(len(ids)) if smp[t] == i and seg[t] == s)
+            seen = [t for t in range(last + 1) if dense[last, t]]  # what the response's last token attends to
+            assert [ids[t] for t in seen] == prompt + response, (layout, i, s)
+            assert [pos[t] for t in seen] == list(range(len(prompt) + len(response)))
+            targets = [labels[t] for t in seen[:-1] if labels[t] != -100]
+            assert targets == response, (layout, i, s)
+
+
+def test_a_packed_reward_row_holds_trls_sequences(folder, tmp_path):
+    from fm_parallel.trainer.data import rm_rows
+
+    forms = ("explicit", "chat_implicit")
+    records = [r for f in forms for r in PREFERENCE[f]]
+    theirs = [t for f in forms for t in trl_preference(folder, PREFERENCE[f], trl.RewardTrainer, trl.RewardConfig,
+                                                       ("chosen_ids", "rejected_ids"))]
+    row = next(rm_rows(512, load_tokenizer(folder), write(tmp_path / "r.jsonl", records)))
+    ids, seg, smp, labels = (t.tolist() for t in (row.input_ids, row.segment, row.sample, row.labels))
+    dense = row.mask.to_dense()[0, 0]
+    for i, sequences in enumerate(theirs):
+        for s, sequence in enumerate(sequences, 1):
+            last = max(t for t in range(len(ids)) if smp[t] == i and seg[t] == s)
+            assert [ids[t] for t in range(last + 1) if dense[last, t]] == sequence  # the reward read here: TRL's
+            assert labels[last] == 1

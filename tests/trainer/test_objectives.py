@@ -57,11 +57,11 @@ def test_preflight_runs_the_configured_objectives_check(tmp_path):
     fits = load_config(["--data.objective", "dpo", "--data.path", path, "--data.seq_len", "256"], environ={})
     preflight(fits, TOK, None)
     short = load_config(["--data.objective", "dpo", "--data.path", path, "--data.seq_len", "128"], environ={})
-    with pytest.raises(DataError, match=r"d.jsonl:1: a DPO sample of 137 tokens .* does not fit data.seq_len = 128"):
+    with pytest.raises(DataError, match=r"d.jsonl:1: a DPO sample of 136 tokens .* does not fit data.seq_len = 128"):
         preflight(short, TOK, None)
     separate = load_config(["--data.objective", "dpo", "--data.path", path, "--data.seq_len", "160",
                             "--data.dpo_layout", "separate"], environ={})
-    with pytest.raises(DataError, match=r"a DPO sample of 177 tokens \(2 x prompt 40"):
+    with pytest.raises(DataError, match=r"a DPO sample of 175 tokens \(2 x prompt 40"):
         preflight(separate, TOK, None)
     # SFT has no length rule: a record longer than a row is trained in pieces.
     preflight(load_config(["--data.path", write(tmp_path / "s.jsonl", [{"text": "x" * 500}]), "--data.seq_len", "64"],
