@@ -176,6 +176,9 @@ class EvalConfig:
     path: str = _key("", "held-out data in data.path's forms (its first eval.rows rows); empty: held out of the "
                          "training stream")
     split: str = _key("", "the split of eval.path (empty: data.split)")
+    examples: int = _key(0, "held-out examples (records) instead of eval.rows: the first eval.examples records of "
+                            "eval.path, or of data.path (training then reads the records after them), packed as "
+                            "training packs them", low=0)
     every: int = _key(10, "steps between evaluations (also after the last step)", low=1)
 
 
@@ -316,8 +319,12 @@ def _check_relations(cfg: Config) -> None:
         raise ConfigError("output.dir: expected a directory path, got an empty string")
     if cfg.output.resume and cfg.output.overwrite:
         raise ConfigError("output.overwrite: expected false when resuming (it would delete the run to resume), got true")
-    if cfg.eval.path and not cfg.eval.rows:
-        raise ConfigError(f"eval.rows: expected the number of rows to evaluate (> 0) with eval.path {cfg.eval.path!r}, got 0")
+    if cfg.eval.rows and cfg.eval.examples:
+        raise ConfigError(f"eval.examples: expected 0 with eval.rows = {cfg.eval.rows} (held-out rows or examples, not "
+                          f"both), got {cfg.eval.examples}")
+    if cfg.eval.path and not (cfg.eval.rows or cfg.eval.examples):
+        raise ConfigError(f"eval.rows: expected the number of rows (or eval.examples, of examples) to evaluate (> 0) with "
+                          f"eval.path {cfg.eval.path!r}, got 0")
     _check_extras(cfg)
 
 

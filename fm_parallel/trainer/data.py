@@ -99,6 +99,12 @@ class Row:
     scores: torch.Tensor | None = None  # RM: [samples, K] float64, each response's score (NaN: no such response)
 
 
+def _window(items, window: tuple[int, int | None]):
+    """The items ``window = (start, stop)`` of an iterator (stop None: to the end)."""
+    start, stop = window
+    return itertools.islice(items, start, stop) if (start or stop is not None) else items
+
+
 def _passes(passes: int | None):
     """The passes over the data a row stream makes: ``passes`` of them, or (None) for ever."""
     return itertools.count() if passes is None else range(passes)
@@ -154,13 +160,16 @@ def _labels(ids: torch.Tensor, sample: torch.Tensor, scored: torch.Tensor) -> to
 
 
 def sft_rows(seq_len: int, tokenizer, path: str = "", max_doc_tokens: int = 0, split: str = "train",
-             assistant_only: bool = True, completion_only: bool = True, passes: int | None = None) -> Iterator[Row]:
+             assistant_only: bool = True, completion_only: bool = True, passes: int | None = None,
+             window: tuple[int, int | None] = (0, None)) -> Iterator[Row]:
     """Packed SFT rows of ``seq_len`` tokens, forever (the corpus repeats). Each pass over the corpus
     ends with its partial row, padded: every token of every record is in exactly one row per pass.
     Records are any SFT format (:func:`~fm_parallel.formats.sft_document`; ``assistant_only``,
     ``completion_only``: which of their tokens are scored) from ``path`` (its ``split``; empty: the
     stdlib corpus as text). A document longer than ``max_doc_tokens`` (0: ``seq_len``) is split into
-    consecutive pieces of at most that many tokens, each its own document (no attention across pieces)."""
+    consecutive pieces of at most that many tokens, each its own document (no attention across pieces).
+    ``passes``: that many passes over the data (None: for ever); ``window``: ``(start, stop)``, the
+    records of each pass taken (the held-out examples are a window, training the rest)."""
     if not isinstance(seq_len, int) or seq_len < 2:
         raise DataError(f"data.seq_len: expected an int >= 2, got {seq_len!r}")
     if not isinstance(max_doc_tokens, int) or max_doc_tokens < 0:
@@ -169,11 +178,11 @@ def sft_rows(seq_len: int, tokenizer, path: str = "", max_doc_tokens: int = 0, s
 
     def documents():
         if not path:
-            for text in stdlib_texts():
+            for text in _window(stdlib_texts(), window):
                 ids = [tokenizer.bos_id] + tokenizer.encode(text)
                 yield ids, [True] * len(ids)
             return
-        for where, record in records(path, split):
+        for where, record in _window(records(path, split), window):
             yield sft_document(tokenizer, record, where, assistant_only, completion_only)
 
     for _ in _passes(passes):
@@ -207,8 +216,13 @@ def _sft_row(tokens, scored, lengths, seq_len, tokenizer) -> Row:
     return Row(ids, labels, masks.document(lengths, n=seq_len), segment, sample, torch.arange(seq_len))
 
 
-def _dpo_samples(tokenizer, path: str, seq_len: int, layout: str = "shared",
-                 split: str = "train") -> Iterator[tuple[list[int], list[int], list[int]]]:
+def _dpo_samples(tokenizer, path: str, seq_len: int, layout: str = "shared", split: str = "train",
+                 window: tuple[int, int | None] = (0, None)) -> Iterator[tuple[list[int], list[int], list[int]]]:
+    return _window(_all_dpo_samples(tokenizer, path, seq_len, layout, split), window)
+
+
+def _all_dpo_samples(tokenizer, path: str, seq_len: int, layout: str = "shared",
+                     split: str = "train") -> Iterator[tuple[list[int], list[int], list[int]]]:
     """(prompt, chosen, rejected) token lists. Without a path: from the stdlib, a file's opening as
     the prompt, its true continuation as chosen and the same tokens shuffled as rejected, each part sized to
     fit a quarter of a row (a fifth for the separate layout; synthetic samples, built to fit; a file's
@@ -239,7 +253,7 @@ def _dpo_samples(tokenizer, path: str, seq_len: int, layout: str = "shared",
 
 
 def dpo_rows(seq_len: int, tokenizer, path: str = "", layout: str = "shared", split: str = "train",
-             passes: int | None = None) -> Iterator[Row]:
+             passes: int | None = None, window: tuple[int, int | None] = (0, None)) -> Iterator[Row]:
     """Packed DPO rows: several samples per row. ``layout="shared"``: [prompt, SEP chosen, SEP rejected]
     under the ``dpo`` mask; ``"separate"``: [prompt, SEP chosen] and [prompt, SEP rejected] as two causal
     documents (TRL's layout). Samples are never cut; each pass ends with its partial row, padded."""
@@ -251,7 +265,7 @@ def dpo_rows(seq_len: int, tokenizer, path: str = "", layout: str = "shared", sp
         parts: list[tuple[list[int], list[int], list[int]]] = []
         used = 0
         produced = False
-        for p, c, r in _dpo_samples(tokenizer, path, seq_len, layout, split):
+        for p, c, r in _dpo_samples(tokenizer, path, seq_len, layout, split, window):
             produced = True
             size = _dpo_size(len(p), len(c), len(r), layout)
             if used + size > seq_len:
@@ -310,7 +324,8 @@ def rm_sample(where: str, tokenizer, record: dict, seq_len: int) -> tuple[list[i
     return prompt, ids, scores
 
 
-def rm_rows(seq_len: int, tokenizer, path: str = "", split: str = "train", passes: int | None = None) -> Iterator[Row]:
+def rm_rows(seq_len: int, tokenizer, path: str = "", split: str = "train", passes: int | None = None,
+            window: tuple[int, int | None] = (0, None)) -> Iterator[Row]:
     """Packed reward-model rows: several samples per row, each ``[prompt, r1, ..., rK]`` under the
     ``preference`` mask (a response sees the prompt and itself), each response's positions continuing
     right after the prompt. ``labels`` are 1 at each response's last token (where its reward is read),
@@ -322,10 +337,10 @@ def rm_rows(seq_len: int, tokenizer, path: str = "", split: str = "train", passe
 
     def samples():
         if path:
-            for where, r in records(path, split):
+            for where, r in _window(records(path, split), window):
                 yield rm_sample(where, tokenizer, r, seq_len)
         else:
-            yield from _rm_builtin(tokenizer, seq_len)
+            yield from _window(_rm_builtin(tokenizer, seq_len), window)
 
     for _ in _passes(passes):
         parts, used, produced = [], 0, False

@@ -67,7 +67,7 @@ def _train(cfg: Config, stopped) -> dict:
             "segments; set the variable yourself to choose)")
     runs.check_run_dir(cfg)  # every rank, before anything is written
     lay = parallel.layout(cfg)
-    per_pass = rows_per_pass(cfg, make_objective(cfg), tokenizer, len(held.digests))
+    per_pass = rows_per_pass(cfg, make_objective(cfg), tokenizer, len(held.digests), held.train_window)
     if cfg.training.epochs:  # the steps of that many passes (before run.json and the schedule read them)
         cfg.training.steps = max(1, math.ceil(cfg.training.epochs * per_pass / (lay.dp * cfg.training.grad_accum)))
         say(f"training.epochs = {cfg.training.epochs:g}: {per_pass} rows per pass, {lay.dp * cfg.training.grad_accum} "
@@ -89,7 +89,7 @@ def _train(cfg: Config, stopped) -> dict:
             "(the first step includes compiling them)")
     params, optim = build_optimizer(model, cfg)
     rows_per_step, objective = lay.dp * cfg.training.grad_accum, make_objective(cfg)
-    stream = held.train_stream(objective.rows(tokenizer))
+    stream = held.train_stream(objective.rows(tokenizer, window=held.train_window))
     start, rows_done, interrupted = checkpoint.resume(cfg, model, optim, rows_per_step, stream, stopped, say)
     if interrupted:
         return {}

@@ -197,9 +197,10 @@ class Progress:
         if self.bar is None:
             return
         extra = "".join(f", {k.removeprefix('eval_').replace('_', ' ')} {v:.4f}" for k, v in record.items()
-                        if k.startswith("eval_") and k not in ("eval_loss", "eval_rows"))
+                        if k.startswith("eval_") and k not in ("eval_loss", "eval_rows", "eval_examples"))
+        examples = f" ({record['eval_examples']} examples)" if "eval_examples" in record else ""
         self.bar.write(f"step {record['step']}: eval loss {record['eval_loss']:.4f} over {record['eval_rows']} held-out "
-                       f"rows{extra}")
+                       f"rows{examples}{extra}")
 
     def close(self) -> None:
         if self.bar is not None:
@@ -299,7 +300,13 @@ class HeldOut:
 
     def __init__(self, cfg: Config, objective, tokenizer):
         self.cfg, self.rows, self.digests = cfg, [], set()
+        # The records of each pass that training reads: all, or those after eval.examples held out.
+        self.train_window: tuple[int, int | None] = (0, None)
+        self.examples = 0  # held-out examples (records), when eval.examples chose them
         e = cfg.eval
+        if e.examples:
+            self._hold_examples(objective, tokenizer)
+            return
         if not e.rows:
             return
         if e.path:
@@ -328,8 +335,32 @@ class HeldOut:
                               f"data (data.seq_len {cfg.data.seq_len}), got {e.rows}: none would be left to train on")
         self.digests = set() if e.path else seen
 
+    def _hold_examples(self, objective, tokenizer) -> None:
+        """``eval.examples``: the first examples of ``eval.path`` (or of the training data, which then
+        starts after them), packed into rows as training packs them."""
+        from fm_parallel.trainer.sources import records
+
+        cfg, e = self.cfg, self.cfg.eval
+        source = objective
+        if e.path:
+            split = e.split or cfg.data.split
+            objective.validate(e.path, tokenizer, key="eval.path", split=split)
+            source = type(objective)(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=e.path, split=split)))
+        path = source.cfg.data.path
+        if path:
+            total = sum(1 for _ in records(path, source.cfg.data.split, "eval.path" if e.path else "data.path"))
+            where = f"{'eval.path' if e.path else 'data.path'} {path!r}"
+            if e.examples > total or (not e.path and e.examples >= total):
+                more = "at most" if e.path else "fewer than"
+                raise ConfigError(f"eval.examples: expected {more} the {total} examples of {where}"
+                                  + ("" if e.path else " (the rest are trained on)") + f", got {e.examples}")
+        self.rows = list(source.rows(tokenizer, passes=1, window=(0, e.examples)))
+        self.examples = e.examples
+        if not e.path:
+            self.train_window = (e.examples, None)
+
     def train_stream(self, stream):
-        """``stream`` without the held-out rows."""
+        """``stream`` without the held-out rows (read with :attr:`train_window`)."""
         if not self.digests:
             yield from stream
             return
@@ -380,6 +411,8 @@ class HeldOut:
         values = dict(zip(keys, flat.tolist()))
         count = max(values.pop("count"), 1.0)
         record = {"step": step, "eval_loss": values.pop("loss") / count, "eval_rows": len(self.rows)}
+        if self.examples:
+            record["eval_examples"] = self.examples
         record.update({f"eval_{k}": v / count for k, v in values.items()})
         return record
 

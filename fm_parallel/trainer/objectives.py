@@ -80,9 +80,9 @@ class Objective:
         if missing:
             raise DataError(f"{where}: expected string fields {list(self.FIELDS)}, missing or not a string: {missing}")
 
-    def rows(self, tokenizer, passes: int | None = None):
+    def rows(self, tokenizer, passes: int | None = None, window: tuple[int, int | None] = (0, None)):
         """The deterministic stream of packed :class:`Row` s (the same on every rank): ``passes`` passes
-        over the data, or (None) endless."""
+        over the data, or (None) endless; of each pass the records ``window = (start, stop)``."""
         raise NotImplementedError
 
     def longest_document(self) -> int:
@@ -129,10 +129,10 @@ class SFT(Objective):
         d = self.cfg.data
         sft_document(tokenizer, record, where, d.assistant_only_loss, d.completion_only_loss)
 
-    def rows(self, tokenizer, passes=None):
+    def rows(self, tokenizer, passes=None, window=(0, None)):
         d = self.cfg.data
         return sft_rows(d.seq_len, tokenizer, d.path, d.max_doc_tokens, d.split, d.assistant_only_loss,
-                        d.completion_only_loss, passes)
+                        d.completion_only_loss, passes, window)
 
     def denominator(self, rows):
         return max(sum(int((r.labels != -100).sum()) for r in rows), 1)
@@ -152,9 +152,9 @@ class DPO(Objective):
     name = "dpo"
     NOT_FULL = "its reference is the base with the adapter disabled; a frozen reference copy is not built yet"
 
-    def rows(self, tokenizer, passes=None):
+    def rows(self, tokenizer, passes=None, window=(0, None)):
         d = self.cfg.data
-        return dpo_rows(d.seq_len, tokenizer, d.path, d.dpo_layout, d.split, passes)
+        return dpo_rows(d.seq_len, tokenizer, d.path, d.dpo_layout, d.split, passes, window)
 
     def check_record(self, where, record, tokenizer):
         # A sample is never cut (its responses would lose their ends), so one longer than a row is refused.
@@ -215,8 +215,8 @@ class RM(Objective):
     name = "rm"
     HEAD = "score"
 
-    def rows(self, tokenizer, passes=None):
-        return rm_rows(self.cfg.data.seq_len, tokenizer, self.cfg.data.path, self.cfg.data.split, passes)
+    def rows(self, tokenizer, passes=None, window=(0, None)):
+        return rm_rows(self.cfg.data.seq_len, tokenizer, self.cfg.data.path, self.cfg.data.split, passes, window)
 
     def check_record(self, where, record, tokenizer):
         rm_sample(where, tokenizer, record, self.cfg.data.seq_len)
@@ -264,13 +264,14 @@ class RM(Objective):
 OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (SFT, DPO, RM)}
 
 
-def rows_per_pass(cfg: Config, objective: Objective, tokenizer, held_out: int = 0) -> int | None:
-    """The training rows one pass over the data packs into (less ``held_out`` rows held out of the
-    stream for evaluation): what ``training.epochs`` and the logged ``epoch`` count in. None for the
-    built-in corpus unless ``training.epochs`` asks (counting costs a pass over the data)."""
+def rows_per_pass(cfg: Config, objective: Objective, tokenizer, held_out: int = 0,
+                  window: tuple[int, int | None] = (0, None)) -> int | None:
+    """The training rows one pass over the data packs into (its records ``window``, less ``held_out``
+    rows held out of the stream for evaluation): what ``training.epochs`` and the logged ``epoch``
+    count in. None for the built-in corpus unless ``training.epochs`` asks (counting costs a pass)."""
     if not (cfg.data.path or cfg.training.epochs):
         return None
-    rows = sum(1 for _ in objective.rows(tokenizer, passes=1)) - held_out
+    rows = sum(1 for _ in objective.rows(tokenizer, passes=1, window=window)) - held_out
     if rows < 1:
         raise ConfigError(f"eval.rows: expected fewer rows than the {rows + held_out} of one pass over the training data, "
                           f"got {held_out}: none would be left to train on")

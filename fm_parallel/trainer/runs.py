@@ -36,7 +36,7 @@ RESUME_KEYS = {
     "data": ("objective", "path", "split", "tokenizer", "seq_len", "max_doc_tokens", "assistant_only_loss",
              "completion_only_loss"),
     "training": ("seed", "grad_accum"),
-    "eval": ("rows", "path", "split"),  # the held-out set (without eval.path its rows are dropped from the training stream)
+    "eval": ("rows", "path", "split", "examples"),  # the held-out set (without eval.path its rows are dropped from the training stream)
 }
 CHECKSUMS = "checksums.json"
 

@@ -124,3 +124,47 @@ def test_dpo_logs_trls_reward_metrics_every_step(tmp_path, capsys):
             assert math.isfinite(r[k]), (k, r)
         assert r["rewards/margins"] == pytest.approx(r["rewards/chosen"] - r["rewards/rejected"])
         assert r["logps/chosen"] < 0 and 0 <= r["rewards/accuracies"] <= 1
+
+
+def test_eval_examples_hold_out_records_that_training_never_reads(tmp_path, capsys):
+    from fm_parallel.trainer.data import ByteTokenizer
+    from fm_parallel.trainer.metrics import HeldOut
+    from fm_parallel.trainer.objectives import SFT
+
+    texts = [f"record {i}: " + "x" * (10 + i) for i in range(12)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    cfg = load_config([*TINY, "--data.path", str(data), "--eval.examples", "3"], environ={})
+    tok, objective = ByteTokenizer(), SFT(cfg)
+    held = HeldOut(cfg, objective, tok)
+
+    def documents(rows):
+        return [bytes(r.input_ids[r.sample == d][1:].tolist()).decode() for r in rows for d in range(int(r.sample.max()) + 1)]
+
+    assert documents(held.rows) == texts[:3] and held.examples == 3
+    one_pass = list(held.train_stream(objective.rows(tok, passes=1, window=held.train_window)))
+    assert documents(one_pass) == texts[3:]  # the rest, from record 4, never the held-out three
+    out = tmp_path / "run"
+    code, stdout, err = _run([*TINY, "--data.path", str(data), "--eval.examples", "3", "--eval.every", "1",
+                              "--training.steps", "2", "--output.dir", str(out)], capsys)
+    assert code == 0, err
+    evals = [r for r in _records(out) if "eval_loss" in r]
+    assert [r["eval_examples"] for r in evals] == [3, 3] and "(3 examples)" in stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--eval.examples", "12"], "error: eval.examples: expected fewer than the 12 examples of data.path 'DATA' (the rest "
+                                "are trained on), got 12"),
+    (["--eval.examples", "13", "--eval.path", "DATA"], "error: eval.examples: expected at most the 12 examples of eval.path "
+                                                       "'DATA', got 13"),
+    (["--eval.examples", "2", "--eval.rows", "1"], "error: eval.examples: expected 0 with eval.rows = 1 (held-out rows or "
+                                                   "examples, not both), got 2"),
+])
+def test_bad_eval_examples_are_one_error_line(tmp_path, capsys, argv, message):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(12)))
+    argv = [str(data) if a == "DATA" else a for a in argv]
+    out = tmp_path / "run"
+    code, _, err = _run([*TINY, "--data.path", str(data), *argv, "--output.dir", str(out)], capsys)
+    assert code == 2 and err.strip() == message.replace("DATA", str(data)), err
+    assert not out.exists()
