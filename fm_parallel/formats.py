@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["DataError", "HFTokens", "SFT_FORMATS", "PREFERENCE_FORMATS", "sft_document", "preference_sample", "preference_responses",
+__all__ = ["DataError", "HFTokens", "json_kind", "SFT_FORMATS", "PREFERENCE_FORMATS", "sft_document", "preference_sample", "preference_responses",
            "common_prefix_length", "is_messages", "assistant_mask"]
 
 
@@ -94,7 +94,8 @@ RM_EXTRA_FORMAT = '{"prompt", "responses": [...], "scores": [...]}'
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
-def _kind(value) -> str:
+def json_kind(value) -> str:
+    """How an error names a JSON value's type: "a string", "an array", "null", ..."""
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
     return "null" if value is None else names.get(type(value), type(value).__name__)
 
@@ -127,7 +128,7 @@ def _check_text(where: str, name: str, value) -> None:
 
 
 def _unknown(where: str, record: dict, formats, what: str) -> DataError:
-    fields = {k: _kind(v) for k, v in list(record.items())[:6]}
+    fields = {k: json_kind(v) for k, v in list(record.items())[:6]}
     return DataError(f"{where}: expected {what} record of one of the formats " + "; ".join(formats)
                      + f"; got fields {fields}")
 
@@ -170,7 +171,7 @@ def sft_document(tokenizer, record: dict, where: str, assistant_only: bool = Tru
     ``completion_only``: a prompt-completion record scores its completion only (TRL's
     ``completion_only_loss``, on by default there too)."""
     if not isinstance(record, dict):
-        raise DataError(f"{where}: expected a JSON object, got {_kind(record)}")
+        raise DataError(f"{where}: expected a JSON object, got {json_kind(record)}")
     if "text" in record and isinstance(record["text"], str):
         _check_text(where, "text", record["text"])
         ids = tokenizer.text_ids(_with_eos(tokenizer, record["text"]))
@@ -229,7 +230,7 @@ def preference_responses(record: dict, where: str, ranked: bool = False) -> tupl
     ``rejected`` 0; ``ranked``: ``{"prompt", "responses", "scores"}`` is accepted too (reward models)."""
     formats = PREFERENCE_FORMATS + ((RM_EXTRA_FORMAT,) if ranked else ())
     if not isinstance(record, dict):
-        raise DataError(f"{where}: expected a JSON object, got {_kind(record)}")
+        raise DataError(f"{where}: expected a JSON object, got {json_kind(record)}")
     if ranked and ("responses" in record or "scores" in record):
         import math
 
@@ -237,10 +238,10 @@ def preference_responses(record: dict, where: str, ranked: bool = False) -> tupl
         if "chosen" in record or "rejected" in record:
             raise DataError(f"{where}: expected either chosen / rejected or responses / scores, got both forms")
         if not isinstance(responses, list) or not all(isinstance(r, str) or is_messages(r) for r in responses):
-            raise DataError(f"{where}: expected 'responses' as a list of strings or message lists, got {_kind(responses)}")
+            raise DataError(f"{where}: expected 'responses' as a list of strings or message lists, got {json_kind(responses)}")
         if (not isinstance(scores, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores)
                 or not all(math.isfinite(x) for x in scores)):
-            raise DataError(f"{where}: expected 'scores' as a list of finite numbers, got {_kind(scores)}")
+            raise DataError(f"{where}: expected 'scores' as a list of finite numbers, got {json_kind(scores)}")
         if len(scores) != len(responses):
             raise DataError(f"{where}: expected one score per response, got {len(scores)} scores for {len(responses)} responses")
         if not isinstance(record.get("prompt"), (str, list)):
@@ -260,7 +261,7 @@ def preference_responses(record: dict, where: str, ranked: bool = False) -> tupl
     if not (isinstance(prompt, str) and all(isinstance(r, str) for r in responses)) and not (
             conversational and all(is_messages(r) for r in responses)):
         raise DataError(f"{where}: expected the prompt and every response alike, all strings or all message lists; got "
-                        f"prompt {_kind(prompt)} and responses {[_kind(r) for r in responses]}")
+                        f"prompt {json_kind(prompt)} and responses {[json_kind(r) for r in responses]}")
     if len(responses) < 2 or len(set(scores)) < 2:
         raise DataError(f"{where}: expected at least two responses with different scores (a ranking to learn), got "
                         f"{len(responses)} response(s) with scores {scores}")

@@ -22,17 +22,12 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from fm_parallel.formats import DataError
+from fm_parallel.formats import DataError, json_kind
 
 __all__ = ["records", "validate_records", "DATASETS_SUFFIXES", "describe"]
 
 # Files read through datasets' own builders (by suffix); every other file is JSONL, read here.
 DATASETS_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".json": "json"}
-
-
-def _json_type(value) -> str:
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 def _line_record(path: str, n: int, raw: bytes) -> dict | None:
@@ -50,7 +45,7 @@ def _line_record(path: str, n: int, raw: bytes) -> dict | None:
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{n}: expected one JSON object per line, got invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(record, dict):
-        raise DataError(f"{path}:{n}: expected a JSON object, got {_json_type(record)}")
+        raise DataError(f"{path}:{n}: expected a JSON object, got {json_kind(record)}")
     return record
 
 
@@ -157,7 +152,7 @@ def validate_records(path: str, check=None, stop=None, key: str = "data.path", s
     for where, record in records(path, split, key):
         count += 1
         if not isinstance(record, dict):
-            raise DataError(f"{where}: expected a JSON object, got {_json_type(record)}")
+            raise DataError(f"{where}: expected a JSON object, got {json_kind(record)}")
         if check is not None:
             check(where, record)
         if stop is not None and count % 1024 == 0 and stop():
