@@ -128,3 +128,27 @@ def test_a_trl_users_messages_and_prompt_completion_files_train(tmp_path, capsys
         losses = _losses(out)
         assert len(losses) == 2 and all(loss == loss and loss > 0 for loss in losses)
         assert json.loads((out / "run.json").read_text())["data"]["assistant_only_loss"] is True
+
+
+@pytest.mark.parametrize("objective", ["dpo", "rm"])
+def test_conversational_preference_files_train_through_the_trainers_command(tmp_path, capsys, objective):
+    """TRL's conversational preference records (explicit and implicit prompt) train DPO and a reward
+    model with a model folder carrying a chat template."""
+    from transformers import AutoTokenizer
+
+    from tests.trainer.test_formats import PREFERENCE, make_tokenizer
+    from tests.trainer.test_model import _model_folder
+
+    folder = tmp_path / "model"
+    make_tokenizer(folder)
+    _model_folder(folder, len(AutoTokenizer.from_pretrained(str(folder))))
+    data = write_jsonl(tmp_path / "pairs.jsonl", (PREFERENCE["chat_explicit"] + PREFERENCE["chat_implicit"]) * 4)
+    out = tmp_path / "run"
+    code, _, err = _run(["--model.path", str(folder), "--data.path", data, "--data.objective", objective, "--output.dir",
+                         str(out), "--parallel.cp", "none", "--training.steps", "2", "--data.seq_len", "256",
+                         "--model.tile_chunk", "0", "--training.warmup", "0"], capsys)
+    assert code == 0, err
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["loss"] == r["loss"] for r in records)
+    key = "rewards/margins" if objective == "dpo" else "accuracy"
+    assert all(key in r for r in records) and records[0]["epoch"] > 0
