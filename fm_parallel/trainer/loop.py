@@ -116,8 +116,9 @@ def _train(cfg: Config, stopped) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         flops = rows_flops(cfg, model.get_base_model().config, rows) if device.type == "cuda" else None  # MFU: GPU only
-        record = metrics.step_record(step, local_loss.item(), len(rows) * cfg.data.seq_len, time.perf_counter() - t0,
-                                     lr, device, policy, grad_norm, flops, compiled_since)
+        tokens = sum(int((row.sample >= 0).sum()) for row in rows)  # the rows' documents: padding is no throughput
+        record = metrics.step_record(step, local_loss.item(), tokens, time.perf_counter() - t0, lr, device, policy,
+                                     grad_norm, flops, compiled_since, padding=len(rows) * cfg.data.seq_len - tokens)
         record.update(metrics.step_sums(sums, objective.STEP_SUMS, device))
         if per_pass:
             record["epoch"] = rows_done / per_pass

@@ -7,7 +7,8 @@ held-out evaluation, TensorBoard / W&B, and at the end the plot ``training.png``
     if held.due(step): progress.write(log.append(held.evaluate(...)))
     summary = finish(cfg, out_dir, rank, log)          # plot, summary; the loggers closed
 
-A training line holds ``step, loss, loss_ema, learning_rate, grad_norm, memory_gib, tokens_per_s, step_s``
+A training line holds ``step, loss, loss_ema, learning_rate, grad_norm, memory_gib, tokens_per_s`` (the
+tokens trained on, padding not counted; ``padding_tokens`` beside), ``step_s``
 (HF Trainer's names where it has one; ``epoch`` with a data file or ``training.epochs``; DPO and reward
 models add TRL's per-step metrics, ``rewards/chosen``, ...; and
 ``peak_gib``, ``tflops`` per GPU and ``mfu`` on GPU, ``host_gib`` with offloaded checkpoints); an evaluation line ``step, eval_loss,
@@ -131,13 +132,15 @@ def allocator_stats(device) -> dict:
 
 def step_record(step: int, loss: float, tokens: int, elapsed: float, lr: float, device, policy,
                 grad_norm: float | None = None, flops: float | None = None,
-                compiled_since: float | None = None) -> dict:
+                compiled_since: float | None = None, padding: int | None = None) -> dict:
     """One step's metrics (collective: the memory is the largest over the ranks, the one that decides
     whether a length fits; :func:`memory_gib`). ``policy``: the model's checkpoint policy (host bytes);
     ``grad_norm``: the world's gradient norm before clipping (``clip_grad_norm_``'s return); ``flops``:
     what the whole step computed (:func:`~fm_parallel.trainer.flops.rows_flops`): on a GPU the record
     gets ``tflops`` per GPU and ``mfu``, their share of the GPU's dense bf16 peak; ``compiled_since``:
-    :func:`step_started`'s return (the record gets :func:`first_step_costs`, this rank's)."""
+    :func:`step_started`'s return (the record gets :func:`first_step_costs`, this rank's). ``tokens``:
+    the tokens trained on (``tokens_per_s`` counts them); ``padding``: the rows' padding positions
+    beside them (``padding_tokens``), never counted as throughput."""
     record = {"step": step, "loss": loss, "learning_rate": lr}
     if flops and device.type == "cuda":
         from fm_parallel.trainer.flops import peak_tflops
@@ -155,6 +158,8 @@ def step_record(step: int, loss: float, tokens: int, elapsed: float, lr: float, 
         record["peak_gib"] = record["memory_gib"]  # the name earlier runs and scripts read
         record.update(allocator_stats(device))  # this rank's
     record.update(tokens_per_s=tokens / elapsed, step_s=elapsed)
+    if padding is not None:
+        record["padding_tokens"] = padding  # the rows' positions that are padding: not counted in tokens_per_s
     if policy is not None and policy.host_bytes:
         record["host_gib"] = policy.host_bytes / 2**30
     record.update(first_step_costs(policy, compiled_since))

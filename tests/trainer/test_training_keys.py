@@ -168,3 +168,15 @@ def test_bad_eval_examples_are_one_error_line(tmp_path, capsys, argv, message):
     code, _, err = _run([*TINY, "--data.path", str(data), *argv, "--output.dir", str(out)], capsys)
     assert code == 2 and err.strip() == message.replace("DATA", str(data)), err
     assert not out.exists()
+
+
+def test_tokens_per_s_counts_the_trained_tokens_not_the_padding(tmp_path, capsys):
+    """A data file smaller than a row: each step's row is mostly padding; throughput counts its documents."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "x" * 29}) + "\n")  # 30 tokens with the separator, in a 128-token row
+    out = tmp_path / "run"
+    code, _, err = _run([*TINY, "--data.path", str(data), "--training.steps", "2", "--output.dir", str(out)], capsys)
+    assert code == 0, err
+    for r in _records(out):
+        assert r["padding_tokens"] == 128 - 30
+        assert r["tokens_per_s"] * r["step_s"] == pytest.approx(30)
