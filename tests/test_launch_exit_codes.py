@@ -63,7 +63,8 @@ def test_a_bad_data_line_through_the_readmes_command_is_the_last_line_a_user_rea
     data.write_text('{"text": "fine"}\n' * 6 + '{"text": 7}\n')
     proc = _train("--nproc_per_node", "2", "--config", "launch/configs/cpu_sft.toml", "--data.path", str(data),
                   "--output.dir", str(tmp_path / "run"))
-    message = f"{data}:7: expected string fields ['text'], missing or not a string: ['text'] (got {{'text': 'a number'}})"
+    message = (f"{data}:7: expected an SFT record of one of the formats {{\"text\": str}}; {{\"messages\": [{{\"role\", "
+               f"\"content\"}}, ...]}}; {{\"prompt\", \"completion\"}} (strings, or message lists); got fields {{'text': 'a number'}}")
     _one_error(proc, message)
     assert proc.stderr.strip().splitlines()[-1] == f"error: {message}"
     assert "ChildFailedError" not in proc.stderr and not (tmp_path / "run").exists()
