@@ -120,6 +120,10 @@ def records(path: str, split: str = "train", key: str = "data.path") -> Iterator
     (``file:line`` for JSONL, ``path row i`` (from 1) for a dataset). ``key``: the setting that
     named ``path`` (``data.path`` or ``eval.path``)."""
     p = Path(path)
+    if p.is_file() and split != "train":
+        section = key.split(".")[0]
+        raise DataError(f"{section}.split: expected 'train' for the file {path!r} (a file is one split; splits are a "
+                        f"folder's or a dataset's), got {split!r}")
     if p.is_file() and p.suffix not in DATASETS_SUFFIXES:
         yield from _jsonl(path)
         return

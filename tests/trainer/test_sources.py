@@ -91,6 +91,8 @@ def test_a_cached_dataset_trains_like_the_same_jsonl(tmp_path, cache, capsys):
                                            r"'nobody/not-cached': no such file, and not cached \(runs never download"),
     (["--data.path", "data/missing.jsonl"], r"error: data.path: expected an existing file or folder, got "
                                             r"'data/missing.jsonl' \(no such file or folder\)"),
+    (["--data.path", "FILE", "--data.split", "test"], r"error: data.split: expected 'train' for the file '.*d.jsonl' \(a "
+                                                      r"file is one split; splits are a folder's or a dataset's\), got 'test'"),
     (["--data.path", "SAVED", "--data.split", "validation"], r"error: data.split: expected one of \['test', 'train'\] "
                                                              r"\(the splits of data.path .*saved'\), got 'validation'"),
 ])
@@ -99,7 +101,8 @@ def test_a_source_that_cannot_be_read_is_one_error_line(tmp_path, cache, capsys,
 
     datasets.DatasetDict({"train": datasets.Dataset.from_list(RECORDS), "test": datasets.Dataset.from_list(RECORDS)}
                          ).save_to_disk(str(tmp_path / "saved"))
-    argv = [str(tmp_path / "saved") if a == "SAVED" else a for a in argv]
+    write_jsonl(tmp_path / "d.jsonl", RECORDS)
+    argv = [{"SAVED": str(tmp_path / "saved"), "FILE": str(tmp_path / "d.jsonl")}.get(a, a) for a in argv]
     capsys.readouterr()  # save_to_disk's progress bar
     out = tmp_path / "run"
     code, _, err = _run([*ARGS, *argv, "--output.dir", str(out)], capsys)
