@@ -28,8 +28,10 @@ SCHEDULE_FILE = "schedule.json"
 SCHEDULE_KIND = "transformers.get_scheduler"
 
 
-def checkpoint_dir(cfg: Config, step: int) -> Path:
-    return Path(cfg.output.dir) / "checkpoints" / f"step_{step:06d}"
+def checkpoint_dir(cfg: Config, done: int) -> Path:
+    """The checkpoint after ``done`` steps: ``step_NNNNNN`` counts the steps it holds (as the progress bar,
+    ``metrics.jsonl`` and the evaluation lines count them; HF's ``checkpoint-N``)."""
+    return Path(cfg.output.dir) / "checkpoints" / f"step_{done:06d}"
 
 
 def save(cfg: Config, model, optim, step: int, rows_done: int, rows_per_step: int, tokenizer) -> Path:
@@ -38,18 +40,18 @@ def save(cfg: Config, model, optim, step: int, rows_done: int, rows_per_step: in
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    path = checkpoint_dir(cfg, step)
+    path = checkpoint_dir(cfg, step + 1)
     model_sd, optim_sd = get_state_dict(model, optim, options=StateDictOptions(ignore_frozen_params=True))
     progress = {"step": torch.tensor(step), "rows": torch.tensor(rows_done), "rows_per_step": torch.tensor(rows_per_step)}
     dcp.save({"model": model_sd, "optim": optim_sd, "progress": progress}, checkpoint_id=str(path))
     rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     torch.save(rng, path / f"rng_rank{dist.get_rank()}.pt")
     if cfg.model.finetune == "full":  # every rank gives its shards of the whole model
-        export_model(model, path / "model", cfg, tokenizer, step)
+        export_model(model, path / "model", cfg, tokenizer, step + 1)
     if dist.get_rank() == 0:  # LoRA weights are the same on every rank (gradients are all-reduced)
         (path / SCHEDULE_FILE).write_text(json.dumps(_schedule(cfg), indent=1))
         if cfg.model.finetune != "full":
-            export_adapter(model, path / "adapter", cfg, tokenizer, step)
+            export_adapter(model, path / "adapter", cfg, tokenizer, step + 1)
     dist.barrier()
     if dist.get_rank() == 0:
         runs.write_checksums(path)
@@ -127,13 +129,13 @@ def check_schedule(cfg: Config, say) -> None:
     if not cfg.training.reschedule:
         raise ConfigError(f"--resume: the learning-rate schedule differs from the one {latest} was trained under: {text}; "
                           "pass --training.reschedule true to continue under the new schedule, or restore the settings")
-    step = int(latest.name.split("_")[-1]) + 1
+    step = int(latest.name.split("_")[-1])  # the steps it holds: the next step's index
     before = copy.deepcopy(cfg)
     for key in changed:
         if key.startswith("training."):
             setattr(before.training, key.split(".")[1], saved[key])
     say(f"note: training.reschedule: resuming {latest.name} under a new schedule ({text}); the learning rate at step "
-        f"{step} is {learning_rate(cfg, step):.4g} (the checkpoint's schedule: {learning_rate(before, step):.4g})")
+        f"{step + 1} is {learning_rate(cfg, step):.4g} (the checkpoint's schedule: {learning_rate(before, step):.4g})")
 
 
 def resume(cfg: Config, model, optim, rows_per_step: int, stream, stop, say) -> tuple[int, int, bool]:
@@ -153,7 +155,7 @@ def resume(cfg: Config, model, optim, rows_per_step: int, stream, stop, say) -> 
     except runs.StopRequested:
         say(f"stopped while verifying {latest}; nothing was changed")
         return 0, 0, True
-    say(f"resumed from {latest} (step {step}, {rows_done} rows done)")
+    say(f"resumed from {latest} ({step + 1} steps done, {rows_done} rows done)")
     if saved_per_step and saved_per_step != rows_per_step:
         say(f"note: rows per step changed from {saved_per_step} to {rows_per_step} (data-parallel degree)")
     skipping = range(rows_done)
@@ -172,7 +174,7 @@ def resume(cfg: Config, model, optim, rows_per_step: int, stream, stop, say) -> 
 def publish_adapter(cfg: Config, saved: Path | None, say) -> None:
     """Rank 0, after a run that reached ``training.steps``: the last checkpoint's adapter becomes the
     run's ``adapter/`` (a stopped run leaves the previous one)."""
-    if dist.get_rank() != 0 or saved is None or saved.name != checkpoint_dir(cfg, cfg.training.steps - 1).name:
+    if dist.get_rank() != 0 or saved is None or saved.name != checkpoint_dir(cfg, cfg.training.steps).name:
         return
     import shutil
 

@@ -9,7 +9,7 @@ run directory, where a model built from the config saved its initial weights onc
 Convert a checkpoint written before adapters were exported (or re-export one):
 
     python -m fm_parallel.trainer.export runs/cpu_sft                       # latest complete checkpoint
-    python -m fm_parallel.trainer.export runs/cpu_sft --checkpoint runs/cpu_sft/checkpoints/step_000049
+    python -m fm_parallel.trainer.export runs/cpu_sft --checkpoint runs/cpu_sft/checkpoints/step_000050
 """
 
 from __future__ import annotations

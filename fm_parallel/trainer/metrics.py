@@ -63,7 +63,8 @@ class MetricsLog:
         self.losses: list[float] = []
         if rank == 0 and self.path.exists():
             # A resumed run drops what was logged after its checkpoint (a fresh one starts in an empty directory).
-            kept = [line for line in self.path.read_text().splitlines() if line.strip() and _logged_step(line) < start]
+            # Records count the steps done: a run resumed after ``start`` steps keeps those up to ``start``.
+            kept = [line for line in self.path.read_text().splitlines() if line.strip() and _logged_step(line) <= start]
             self.path.write_text("".join(line + "\n" for line in kept))
             self.losses = [r["loss"] for r in map(json.loads, kept) if "loss" in r]
         self.loggers = Loggers(cfg, Path(out_dir), rank, start) if cfg is not None else None
@@ -141,7 +142,7 @@ def step_record(step: int, loss: float, tokens: int, elapsed: float, lr: float, 
     :func:`step_started`'s return (the record gets :func:`first_step_costs`, this rank's). ``tokens``:
     the tokens trained on (``tokens_per_s`` counts them); ``padding``: the rows' padding positions
     beside them (``padding_tokens``), never counted as throughput."""
-    record = {"step": step, "loss": loss, "learning_rate": lr}
+    record = {"step": step + 1, "loss": loss, "learning_rate": lr}  # steps done, as the bar counts them
     if flops and device.type == "cuda":
         from fm_parallel.trainer.flops import peak_tflops
 
@@ -179,8 +180,8 @@ class Progress:
     def update(self, record: dict) -> None:
         if self.bar is None:
             return
-        step = record["step"]
-        if (step + 1) % self.cfg.output.log_every == 0 or step + 1 == self.cfg.training.steps:
+        done = record["step"]  # steps done
+        if done % self.cfg.output.log_every == 0 or done == self.cfg.training.steps:
             shown = {"loss": f"{record['loss']:.4f}", "lr": f"{record['learning_rate']:.2e}"}
             if "grad_norm" in record:
                 shown["gnorm"] = f"{record['grad_norm']:.3f}"
@@ -415,7 +416,7 @@ class HeldOut:
         model.train(was_training)
         values = dict(zip(keys, flat.tolist()))
         count = max(values.pop("count"), 1.0)
-        record = {"step": step, "eval_loss": values.pop("loss") / count, "eval_rows": len(self.rows)}
+        record = {"step": step + 1, "eval_loss": values.pop("loss") / count, "eval_rows": len(self.rows)}
         if self.examples:
             record["eval_examples"] = self.examples
         record.update({f"eval_{k}": v / count for k, v in values.items()})
@@ -436,7 +437,7 @@ class Loggers:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step: a resumed run hides the events logged after its checkpoint (trained again).
-            self.tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"), purge_step=start or None)
+            self.tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"), purge_step=start + 1 if start else None)
         if cfg.logging.wandb:
             import wandb
 

@@ -49,11 +49,11 @@ def test_resume_with_another_schedule_is_refused_unless_asked_for_then_said(tmp_
     code, stdout, err = _run(argv, capsys)
     assert code in (0, None), err[-3000:]
     notes = [x for x in stdout.splitlines() if "training.reschedule" in x]
-    assert len(notes) == 1 and "training.steps: 3 -> 5" in notes[0] and "step 3" in notes[0], stdout[-3000:]
+    assert len(notes) == 1 and "training.steps: 3 -> 5" in notes[0] and "step 4" in notes[0], stdout[-3000:]
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     cfg = load_config(argv, environ={})
-    assert [r["step"] for r in records if "loss" in r] == [0, 1, 2, 3, 4]
-    assert [r["learning_rate"] for r in records if r["step"] >= 3 and "learning_rate" in r] == [learning_rate(cfg, 3), learning_rate(cfg, 4)]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]  # steps done, as the bar counts
+    assert [r["learning_rate"] for r in records if r["step"] >= 4 and "learning_rate" in r] == [learning_rate(cfg, 3), learning_rate(cfg, 4)]
     # The checkpoints now carry the new schedule: resuming it again needs no key.
     code, stdout, err = _run(run + ["--training.steps", "5", "--resume"], capsys)
     assert code in (0, None) and "nothing to train" in stdout, err[-3000:]

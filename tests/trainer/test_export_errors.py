@@ -26,13 +26,13 @@ def older_run(tmp_path_factory):
     proc = subprocess.run([sys.executable, "-m", "fm_parallel.launch", *TINY, "--output.dir", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300, env=dict(env, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (out / "checkpoints" / "step_000000" / "checksums.json").unlink()
+    (out / "checkpoints" / "step_000001" / "checksums.json").unlink()
     return out
 
 
 def _copy(run: Path, dest: Path) -> tuple[Path, Path]:
     shutil.copytree(run, dest)
-    return dest, dest / "checkpoints" / "step_000000"
+    return dest, dest / "checkpoints" / "step_000001"
 
 
 def _one_error_line(stderr: str) -> str:

@@ -167,5 +167,5 @@ def test_the_export_command_points_a_full_run_to_its_model_folder(runs):
     from fm_parallel.trainer.export import convert_checkpoint
 
     tmp, _ = runs
-    with pytest.raises(ConfigError, match=r"run_dir: expected a LoRA run .* got a model.finetune = 'full' run, .*step_000003/model"):
+    with pytest.raises(ConfigError, match=r"run_dir: expected a LoRA run .* got a model.finetune = 'full' run, .*step_000004/model"):
         convert_checkpoint(tmp / "single")

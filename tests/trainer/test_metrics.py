@@ -46,14 +46,14 @@ def test_eval_rows_are_logged_at_their_steps_and_the_step_metrics_are_complete(d
     records = _records(out)
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
-    assert [r["step"] for r in train] == list(range(6))
-    assert [r["step"] for r in evals] == [2, 5]  # every eval.every = 3 steps (the last step is one)
+    assert [r["step"] for r in train] == list(range(1, 7))  # steps done, as the bar counts
+    assert [r["step"] for r in evals] == [3, 6]  # every eval.every = 3 steps (the last step is one)
     for r in evals:
         assert r["eval_rows"] == 2 and "loss" not in r
         assert math.isfinite(r["eval_loss"]) and 0 <= r["eval_reward_accuracy"] <= 1 and "eval_reward_margin" in r
     for r in train:
         # HF's warm-up starts from 0 at step 0 (transformers.get_scheduler's), then rises
-        assert (r["learning_rate"] > 0) == (r["step"] > 0) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 and r["memory_gib"] > 0
+        assert (r["learning_rate"] > 0) == (r["step"] > 1) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 and r["memory_gib"] > 0
         assert "eval_loss" not in r
     # The progress bar shows them too (tqdm writes to stderr).
     assert all(f"{k}=" in proc.stderr for k in ("loss", "lr", "gnorm", "mem")), proc.stderr[-2000:]
@@ -102,7 +102,7 @@ def test_sft_eval_and_a_held_out_set_that_leaves_nothing_to_train(tmp_path):
     proc = trainer(*args, "--eval.rows", "1", "--eval.every", "1", "--output.dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     evals = [r for r in _records(out) if "eval_loss" in r]
-    assert [r["step"] for r in evals] == [0, 1] and all(0 < r["eval_loss"] < 10 for r in evals)
+    assert [r["step"] for r in evals] == [1, 2] and all(0 < r["eval_loss"] < 10 for r in evals)
     assert "eval_reward_accuracy" not in evals[0]
     assert_user_error(trainer(*args, "--eval.rows", "50", "--output.dir", str(tmp_path / "x")), "eval.rows: expected fewer rows")
     assert_user_error(trainer(*args, "--eval.rows", "50", "--eval.path", str(data), "--output.dir", str(tmp_path / "y")),
@@ -188,7 +188,7 @@ def test_the_plot_draws_the_smoothed_loss_and_the_eval_points(dpo_run, tmp_path)
     lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
     assert set(lines) >= {"loss", "EMA 0.9", "eval loss"}, list(lines)
     assert list(lines["EMA 0.9"].get_ydata()) == pytest.approx(want)
-    assert list(lines["eval loss"].get_xdata()) == [2, 5]
+    assert list(lines["eval loss"].get_xdata()) == [3, 6]
 
 
 def test_a_logger_without_its_package_is_refused_on_every_rank_naming_the_extra(tmp_path):

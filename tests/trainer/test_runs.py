@@ -60,7 +60,7 @@ def test_user_errors_are_one_line_without_traceback(tmp_path):
     long_dpo = tmp_path / "dpo.jsonl"
     long_dpo.write_text(json.dumps({"prompt": "p" * 60, "chosen": "c" * 40, "rejected": "r" * 40}) + "\n")
     cases = [
-        (["--data.objective", "dpo", "--data.path", str(long_dpo)], f"{long_dpo}:1: a DPO sample of 142 tokens"),
+        (["--data.objective", "dpo", "--data.path", str(long_dpo)], f"{long_dpo}:1: a DPO sample of 141 tokens"),
         (["--training.steps", "-1"], "training.steps: expected a value >= 1, got -1"),
         (["--config", str(bad_toml)], f"{bad_toml} is not valid TOML"),
         (["--model.path", str(tmp_path / "no_model")], "model.path: expected a local Hugging Face model folder"),
@@ -118,7 +118,7 @@ def test_overwrite_replaces_the_earlier_run(finished_run, tmp_path):
     proc = trainer(*TINY, "--training.steps", "1", "--output.dir", str(out), "--output.overwrite", "true")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
-    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000000"]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000001"]
     assert json.loads((out / "run.json").read_text())["training"]["steps"] == 1
 
 
@@ -129,14 +129,14 @@ def test_resume_says_where_and_refuses_a_damaged_checkpoint(finished_run, tmp_pa
     shutil.copytree(finished_run, out)
     proc = trainer(*TINY, "--training.steps", "3", "--training.reschedule", "true", "--output.dir", str(out), "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"resumed from {out / 'checkpoints' / 'step_000001'} (step 1, 2 rows done)" in proc.stdout
-    shards = sorted((out / "checkpoints" / "step_000002").glob("*.distcp"))
+    assert f"resumed from {out / 'checkpoints' / 'step_000002'} (2 steps done, 2 rows done)" in proc.stdout
+    shards = sorted((out / "checkpoints" / "step_000003").glob("*.distcp"))
     data = bytearray(shards[0].read_bytes())
     data[len(data) // 2] ^= 0x01  # one flipped bit in the tensors
     shards[0].write_bytes(bytes(data))
     proc = trainer(*TINY, "--training.steps", "4", "--training.reschedule", "true", "--output.dir", str(out), "--resume")
     assert_user_error(proc, f"{shards[0]} does not match its checksum")
-    (out / "checkpoints" / "step_000002" / "checksums.json").unlink()
+    (out / "checkpoints" / "step_000003" / "checksums.json").unlink()
     assert_user_error(trainer(*TINY, "--training.steps", "4", "--training.reschedule", "true", "--output.dir", str(out), "--resume"), "has no checksums.json")
 
 
@@ -176,7 +176,7 @@ def test_the_peft_adapter_reproduces_the_trained_model(finished_run, tmp_path):
         p.name for p in adapter.iterdir()}
     assert json.loads((adapter / "base_model_config.json").read_text())["hidden_size"] == 64
     info = json.loads((adapter / "fm_parallel.json").read_text())
-    assert info["step"] == 1 and info["base_model"] == str((finished_run / "base_model").resolve())
+    assert info["step"] == 2 and info["base_model"] == str((finished_run / "base_model").resolve())
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == info["base_model"] and config["r"] == 4
     assert info["if_moved"].startswith("PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained('<where the base")
@@ -192,7 +192,7 @@ def test_the_peft_adapter_reproduces_the_trained_model(finished_run, tmp_path):
 
     trained = _build_model(cfg, 258, torch.device("cpu"))
     state = {"model": get_model_state_dict(trained, options=StateDictOptions(ignore_frozen_params=True))}
-    dcp.load(state, checkpoint_id=str(finished_run / "checkpoints" / "step_000001"), no_dist=True)
+    dcp.load(state, checkpoint_id=str(finished_run / "checkpoints" / "step_000002"), no_dist=True)
     set_model_state_dict(trained, state["model"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
     trained.eval()
 

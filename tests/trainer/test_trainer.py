@@ -122,7 +122,7 @@ def test_resume_after_a_stop_reproduces_the_uninterrupted_run(tmp_path):
     for results in done.values():
         assert all("exception" not in r for r in results), [r.get("traceback") for r in results]
     with open(Path(part) / "metrics.jsonl", "a") as f:  # as if killed after logging a step past the checkpoint
-        f.write(json.dumps({"step": 2, "loss": 99.0}) + "\n")
+        f.write(json.dumps({"step": 3, "loss": 99.0}) + "\n")
     results = run_ranks(_train, 2, TINY + ["--resume"], part, timeout=300)
     assert all("exception" not in r for r in results), [r.get("traceback") for r in results]
     want, got = _losses(full), _losses(part)
