@@ -314,8 +314,8 @@ def test_trainer_attention_dpo_layouts_run_on_the_cpu(tmp_path):
 
 
 def test_trainer_attention_dpo_samples_of_exact_sizes(tmp_path):
-    """--dpo-sample P R: every sample is P prompt and R response tokens (a separator opens each
-    response), in both layouts; a size below 1 is refused by name."""
+    """--dpo-sample P R: every sample is P prompt and R response tokens (the prompt's last token opens
+    each response), in both layouts; a size below 1 is refused by name."""
     cmd = [sys.executable, str(ROOT / "launch" / "bench" / "trainer_attention.py"), "--shape", "tiny", "--lengths", "512",
            "--attention", "flashmask", "--objective", "dpo", "--timed-steps", "1", "--tile-chunk", "128",
            "--loss-chunk", "128", "--name", "dpo", "--out", str(tmp_path)]
@@ -323,8 +323,8 @@ def test_trainer_attention_dpo_samples_of_exact_sizes(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "dpo.json").read_text())["rows"]
     for r in rows:
-        assert r["sample_tokens_per_s"] / r["samples_per_s"] == pytest.approx(40 + 2 * 41), r
-    assert [sum(r["samples_per_step"]) for r in rows] == [512 // 122, 512 // 162]
+        assert r["sample_tokens_per_s"] / r["samples_per_s"] == pytest.approx(39 + 2 * 41), r
+    assert [sum(r["samples_per_step"]) for r in rows] == [512 // 121, 512 // 160]  # shared, separate (2 x 39 + 2 x 41)
     bad = subprocess.run(cmd + ["--dpo-sample", "0", "40"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--dpo-sample: expected PROMPT >= 1" in bad.stderr
 

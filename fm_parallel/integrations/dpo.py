@@ -26,7 +26,7 @@ import torch
 from fm_parallel.integrations import transformers as fm_hf
 from fm_parallel.integrations.collator import FlashMaskCollator, response_logps
 from fm_parallel.integrations.metrics_trainer import LossMetricsTrainer
-from fm_parallel.integrations.text_examples import tokenize_datasets
+from fm_parallel.integrations.text_examples import dpo_examples, tokenize_datasets
 from fm_parallel.integrations.world import check_trainer_world
 from fm_parallel.preference import dpo_loss  # written in preference.py, for both front doors; still exported here
 
@@ -99,7 +99,7 @@ class FlashMaskDPOTrainer(LossMetricsTrainer):
             # The user's packing settings, for the rows this trainer exists for (a copy: theirs is left as given).
             data_collator = FlashMaskCollator(data_collator.seq_len, data_collator.pad_token_id, data_collator.vocab_size,
                                               preference=True)
-        kwargs = tokenize_datasets(kwargs, "dpo")  # TRL's text records, tokenized as TRL does (processing_class)
+        kwargs = tokenize_datasets(kwargs, dpo_examples)  # TRL's text records, tokenized as TRL does (processing_class)
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         check_trainer_world(self.args)  # every launched rank trains one model, or the Trainer refuses
         self.beta = float(beta)

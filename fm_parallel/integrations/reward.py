@@ -26,7 +26,7 @@ from fm_parallel import logprobs
 from fm_parallel.integrations.collator import FlashMaskCollator, response_ends
 from fm_parallel.integrations.dpo import _check_attention, check_preference_rows
 from fm_parallel.integrations.metrics_trainer import LossMetricsTrainer
-from fm_parallel.integrations.text_examples import tokenize_datasets
+from fm_parallel.integrations.text_examples import reward_examples, tokenize_datasets
 from fm_parallel.integrations.world import check_trainer_world
 from fm_parallel.preference import bradley_terry_loss
 
@@ -82,7 +82,7 @@ class FlashMaskRewardTrainer(LossMetricsTrainer):
         elif isinstance(data_collator, FlashMaskCollator) and not data_collator.preference:
             data_collator = FlashMaskCollator(data_collator.seq_len, data_collator.pad_token_id, data_collator.vocab_size,
                                               preference=True)
-        kwargs = tokenize_datasets(kwargs, "rm")  # TRL's text records, tokenized as TRL does (processing_class)
+        kwargs = tokenize_datasets(kwargs, reward_examples)  # TRL's text records, tokenized as TRL does (processing_class)
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         check_trainer_world(self.args)
 

@@ -8,7 +8,7 @@ implicit-prompt ``{"chosen", "rejected"}``; the reward trainer also ``{"prompt",
 string response) into the examples :class:`~fm_parallel.integrations.collator.FlashMaskCollator` packs.
 Token-id datasets (``prompt_ids``, ...) pass through unchanged.
 
-    examples = preference_examples(dataset, tokenizer, objective="dpo", name="train_dataset")
+    examples = dpo_examples(dataset, tokenizer)          # or reward_examples(dataset, tokenizer)
 
 DPO: a shared-prompt row cannot score a response's first token from the prompt's last position (it is
 shared by both responses), so the prompt's last token opens each response instead: the responses'
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from fm_parallel.formats import HFTokens, preference_sample
 
-__all__ = ["preference_examples", "is_text_dataset", "tokenize_datasets"]
+__all__ = ["dpo_examples", "reward_examples", "is_text_dataset", "tokenize_datasets"]
 
 _ID_FIELDS = ("prompt_ids", "chosen_ids", "rejected_ids", "response_ids", "input_ids")
 
@@ -38,17 +38,39 @@ def is_text_dataset(dataset) -> bool:
     return isinstance(first, dict) and not any(k in first for k in _ID_FIELDS)
 
 
-def preference_examples(dataset, tokenizer, objective: str, name: str = "train_dataset"):
+def dpo_examples(dataset, tokenizer, name: str = "train_dataset"):
+    """``dataset`` with TRL's ``DPOTrainer`` text records replaced by ``{"prompt_ids", "chosen_ids",
+    "rejected_ids"}``, each response opened by the prompt's last token (see the module's docstring).
+    See :func:`_tokenized` for what ``dataset`` may be."""
+
+    def convert(tokens, record, where):
+        prompt, responses, _ = preference_sample(tokens, record, where)
+        if prompt:  # the prompt's last token opens each response: every response token is scored, as in TRL
+            prompt, responses = prompt[:-1], [prompt[-1:] + r for r in responses]
+        return {"prompt_ids": prompt, "chosen_ids": responses[0], "rejected_ids": responses[1]}
+
+    return _tokenized(dataset, tokenizer, name, convert)
+
+
+def reward_examples(dataset, tokenizer, name: str = "train_dataset"):
+    """``dataset`` with TRL's ``RewardTrainer`` text records (and ``{"prompt", "responses", "scores"}``)
+    replaced by ``{"prompt_ids", "response_ids", "scores"}`` (a pair scores 1 and 0): each
+    ``prompt + response`` is TRL's sequence. See :func:`_tokenized` for what ``dataset`` may be."""
+
+    def convert(tokens, record, where):
+        prompt, responses, scores = preference_sample(tokens, record, where, ranked=True)
+        return {"prompt_ids": prompt, "response_ids": responses, "scores": scores}
+
+    return _tokenized(dataset, tokenizer, name, convert)
+
+
+def _tokenized(dataset, tokenizer, name: str, convert):
     """``dataset`` (a list of dicts, a ``datasets.Dataset`` / ``IterableDataset``, or a dict of them as
-    ``eval_dataset`` may be) with text records replaced by token-id examples; a token-id dataset, or
-    None, as given. ``objective``: ``"dpo"`` (``prompt_ids``, ``chosen_ids``, ``rejected_ids``) or
-    ``"rm"`` (``prompt_ids``, ``response_ids``, ``scores``; a pair scores 1 and 0). ``tokenizer``: the
-    trainer's ``processing_class``. A record of no format raises ``ValueError`` naming
-    ``name[index]`` and the formats accepted."""
-    if objective not in ("dpo", "rm"):
-        raise ValueError(f"objective: expected 'dpo' or 'rm', got {objective!r}")
+    ``eval_dataset`` may be) with each text record replaced by ``convert(tokens, record, where)``; a
+    token-id dataset, or None, as given. ``tokenizer``: the trainer's ``processing_class``. A record
+    of no format raises ``ValueError`` naming ``name[index]`` and the formats accepted."""
     if isinstance(dataset, dict) and not _looks_like_an_example(dataset):
-        return {k: preference_examples(v, tokenizer, objective, f"{name}[{k!r}]") for k, v in dataset.items()}
+        return {k: _tokenized(v, tokenizer, f"{name}[{k!r}]", convert) for k, v in dataset.items()}
     if not is_text_dataset(dataset):
         return dataset
     if tokenizer is None:
@@ -57,29 +79,24 @@ def preference_examples(dataset, tokenizer, objective: str, name: str = "train_d
                          "(prompt_ids, chosen_ids, rejected_ids)")
     tokens = tokenizer if hasattr(tokenizer, "chat_ids") else HFTokens(getattr(tokenizer, "tokenizer", tokenizer))
 
-    def convert(record, index: int) -> dict:
+    def one(record, index: int) -> dict:
         record = dict(record) if hasattr(record, "keys") else record  # datasets' rows are mappings (LazyRow)
-        prompt, responses, scores = preference_sample(tokens, record, f"{name}[{index}]", ranked=objective == "rm")
-        if objective == "rm":
-            return {"prompt_ids": prompt, "response_ids": responses, "scores": scores}
-        if prompt:  # the prompt's last token opens each response: every response token is scored, as in TRL
-            prompt, responses = prompt[:-1], [prompt[-1:] + r for r in responses]
-        return {"prompt_ids": prompt, "chosen_ids": responses[0], "rejected_ids": responses[1]}
+        return convert(tokens, record, f"{name}[{index}]")
 
     if hasattr(dataset, "map") and hasattr(dataset, "column_names"):  # datasets.Dataset / IterableDataset
-        return dataset.map(convert, with_indices=True, remove_columns=list(dataset.column_names or []))
-    return [convert(record, i) for i, record in enumerate(dataset)]
+        return dataset.map(one, with_indices=True, remove_columns=list(dataset.column_names or []))
+    return [one(record, i) for i, record in enumerate(dataset)]
 
 
 def _looks_like_an_example(value: dict) -> bool:
     return any(k in value for k in ("prompt", "chosen", "rejected", "responses", *_ID_FIELDS))
 
 
-def tokenize_datasets(kwargs: dict, objective: str) -> dict:
-    """A trainer's keyword arguments with ``train_dataset`` and ``eval_dataset`` as token-id examples
-    (:func:`preference_examples` with its ``processing_class``); the rest as given."""
+def tokenize_datasets(kwargs: dict, examples) -> dict:
+    """A trainer's keyword arguments with ``train_dataset`` and ``eval_dataset`` through ``examples``
+    (:func:`dpo_examples` or :func:`reward_examples`) with its ``processing_class``; the rest as given."""
     out = dict(kwargs)
     for key in ("train_dataset", "eval_dataset"):
         if out.get(key) is not None:
-            out[key] = preference_examples(out[key], out.get("processing_class"), objective, key)
+            out[key] = examples(out[key], out.get("processing_class"), key)
     return out

@@ -73,9 +73,9 @@ def test_dpo_on_text_records_logs_trls_losses_and_metrics(tok, form, container):
 
 
 def test_reward_examples_are_trls_reward_trainer_tokens(tok):
-    from fm_parallel.integrations.text_examples import preference_examples
+    from fm_parallel.integrations.text_examples import reward_examples
 
-    got = preference_examples(datasets.Dataset.from_list(PREFERENCE["chat_explicit"]), tok, "rm")
+    got = reward_examples(datasets.Dataset.from_list(PREFERENCE["chat_explicit"]), tok)
     ref = trl.RewardTrainer(model=_classifier(len(tok), tok.pad_token_id), args=trl.RewardConfig(**args()),
                             train_dataset=datasets.Dataset.from_list(PREFERENCE["chat_explicit"]), processing_class=tok)
     for ours, theirs in zip(got, ref.train_dataset):
