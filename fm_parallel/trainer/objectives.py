@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fm_parallel.formats import DataError, sft_document
 from fm_parallel.logprobs import at_least_float32, response_sums, token_logps
 from fm_parallel.preference import bradley_terry_loss, dpo_loss
 from fm_parallel.trainer.config import Config, ConfigError
 from fm_parallel.trainer.data import Row, check_dpo_sample, dpo_rows, rm_rows, rm_sample, sft_rows
-from fm_parallel.formats import DataError, sft_document
-from fm_parallel.trainer.sources import validate_records
 from fm_parallel.trainer.model import hidden_states
+from fm_parallel.trainer.sources import validate_records
 from fm_parallel.trainer.tiles import tiled_map, tiled_sum
 
 __all__ = ["Objective", "SFT", "DPO", "RM", "OBJECTIVES", "objective", "rows_per_pass", "chunked", "chunked_cross_entropy"]

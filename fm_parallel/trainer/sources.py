@@ -24,7 +24,7 @@ from pathlib import Path
 
 from fm_parallel.formats import DataError, json_kind
 
-__all__ = ["records", "validate_records", "DATASETS_SUFFIXES", "describe"]
+__all__ = ["records", "validate_records", "DATASETS_SUFFIXES"]
 
 # Files read through datasets' own builders (by suffix); every other file is JSONL, read here.
 DATASETS_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".json": "json"}
@@ -131,14 +131,6 @@ def records(path: str, split: str = "train", key: str = "data.path") -> Iterator
     shown = path if p.exists() else f"{path}[{split}]"
     for i, record in enumerate(table, 1):
         yield f"{shown} row {i}", record
-
-
-def describe(path: str) -> str:
-    """What kind of source ``path`` is, for messages: "JSONL file", "dataset file", "folder", "cached dataset"."""
-    p = Path(path)
-    if p.is_file():
-        return "dataset file" if p.suffix in DATASETS_SUFFIXES else "JSONL file"
-    return "folder" if p.is_dir() else "cached dataset"
 
 
 def validate_records(path: str, check=None, stop=None, key: str = "data.path", split: str = "train") -> int:
