@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["DataError", "HFTokens", "json_kind", "SFT_FORMATS", "PREFERENCE_FORMATS", "sft_document", "preference_sample", "preference_responses",
+__all__ = ["DataError", "HFTokens", "json_kind", "open_responses", "SFT_FORMATS", "PREFERENCE_FORMATS", "sft_document", "preference_sample", "preference_responses",
            "common_prefix_length", "is_messages", "assistant_mask"]
 
 
@@ -293,3 +293,12 @@ def preference_sample(tokenizer, record: dict, where: str, ranked: bool = False)
     if empty:
         raise DataError(f"{where}: response {empty[0]} adds no tokens to the prompt's, so it has nothing to score")
     return whole[0][:start], tails, scores
+
+
+def open_responses(prompt: list[int], responses: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """``(prompt[:-1], [prompt[-1:] + r, ...])``: the prompt's last token opens each response. A row
+    that shares one prompt between responses cannot score a response's first token from the prompt's
+    last position (one position, several targets); opened this way, each response's first token is
+    predicted from inside the response, and each ``prompt + response`` stays TRL's token for token. An
+    empty prompt: as given (nothing predicts a first token in TRL's sequence either)."""
+    return (prompt[:-1], [prompt[-1:] + r for r in responses]) if prompt else (prompt, list(responses))

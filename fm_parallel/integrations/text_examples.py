@@ -18,7 +18,7 @@ it, the losses TRL's.
 
 from __future__ import annotations
 
-from fm_parallel.formats import HFTokens, preference_sample
+from fm_parallel.formats import HFTokens, open_responses, preference_sample
 
 __all__ = ["dpo_examples", "reward_examples", "is_text_dataset", "tokenize_datasets"]
 
@@ -44,9 +44,7 @@ def dpo_examples(dataset, tokenizer, name: str = "train_dataset"):
     See :func:`_tokenized` for what ``dataset`` may be."""
 
     def convert(tokens, record, where):
-        prompt, responses, _ = preference_sample(tokens, record, where)
-        if prompt:  # the prompt's last token opens each response: every response token is scored, as in TRL
-            prompt, responses = prompt[:-1], [prompt[-1:] + r for r in responses]
+        prompt, responses = open_responses(*preference_sample(tokens, record, where)[:2])  # every response token scored
         return {"prompt_ids": prompt, "chosen_ids": responses[0], "rejected_ids": responses[1]}
 
     return _tokenized(dataset, tokenizer, name, convert)

@@ -38,7 +38,7 @@ import torch
 
 from fm_parallel import masks
 from fm_parallel.masks.flashmask import FlashMask
-from fm_parallel.formats import DataError, HFTokens, preference_sample, sft_document
+from fm_parallel.formats import DataError, HFTokens, open_responses, preference_sample, sft_document
 from fm_parallel.trainer.sources import records
 
 __all__ = ["ByteTokenizer", "load_tokenizer", "Row", "sft_rows", "dpo_rows", "stdlib_texts", "DataError",
@@ -122,17 +122,11 @@ def stdlib_texts() -> Iterator[str]:
 
 
 def _dpo_size(p: int, c: int, r: int, layout: str) -> int:
-    """Tokens of one sample in a row: the prompt's last token opens each response (:func:`_open_responses`);
+    """Tokens of one sample in a row: the prompt's last token opens each response (``open_responses``);
     ``separate`` repeats the prompt."""
     if not p:
         return c + r
     return (2 if layout == "separate" else 1) * (p - 1) + c + r + 2
-
-
-def _open_responses(p: list[int], c: list[int], r: list[int]) -> tuple[list[int], list[int], list[int]]:
-    """``(prompt[:-1], [prompt[-1]] + chosen, [prompt[-1]] + rejected)``: each response opened by the
-    prompt's last token, from whose position its first token is predicted (an empty prompt: as given)."""
-    return (p[:-1], p[-1:] + c, p[-1:] + r) if p else (p, c, r)
 
 
 def check_dpo_sample(where: str, tokenizer, record: dict, seq_len: int,
@@ -271,7 +265,8 @@ def dpo_rows(seq_len: int, tokenizer, path: str = "", layout: str = "shared", sp
             if used + size > seq_len:
                 yield _dpo_row(parts, seq_len, tokenizer, layout)
                 parts, used = [], 0
-            parts.append(_open_responses(p, c, r))
+            p, (c, r) = open_responses(p, [c, r])
+            parts.append((p, c, r))
             used += size
         if not produced:
             raise DataError(f"data.path: expected DPO samples, got none in {path or 'the stdlib corpus'}")
