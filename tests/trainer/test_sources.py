@@ -62,7 +62,10 @@ def test_every_source_gives_the_jsonls_records_in_order(tmp_path, cache):
     cache_as("someone/tiny-code", jsonl, cache)
     want = [r for _, r in records(jsonl)]
     assert want == RECORDS
-    for source in ("d.parquet", "d.json", "folder", "saved"):
+    (tmp_path / "jsonl_folder").mkdir()
+    write_jsonl(tmp_path / "jsonl_folder" / "a.jsonl", RECORDS[:25])
+    write_jsonl(tmp_path / "jsonl_folder" / "b.jsonl", RECORDS[25:])
+    for source in ("d.parquet", "d.json", "folder", "jsonl_folder", "saved"):
         assert [r for _, r in records(str(tmp_path / source))] == RECORDS, source
     assert [r for _, r in records(str(tmp_path / "saved"), split="test")] == RECORDS[:3]
     got = list(records("someone/tiny-code"))
