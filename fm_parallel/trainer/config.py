@@ -452,7 +452,7 @@ def check_host_memory(cfg: Config, local_processes: int = 1, total: int | None =
     sequence's checkpoints are held once in all (a checkpoint per ``model.checkpoint_every`` layers,
     every layer's input without checkpointing; a CPU plan keeps one per layer); the embeddings, the
     head and the layers' own activations come on top."""
-    from fm_parallel.trainer.memory import GIB, decoder_parameters, host_memory_bytes
+    from fm_parallel.longcontext.memory import GIB, decoder_parameters, host_memory_bytes
 
     shape = _decoder_shape(cfg)
     total = host_memory_bytes() if total is None else total

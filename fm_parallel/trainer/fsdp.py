@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from fm_parallel.trainer.config import Config
-from fm_parallel.trainer.memory import decoder_layers
+from fm_parallel.longcontext.memory import decoder_layers
 
 __all__ = ["ShardedModel", "shard_full_model", "in_root"]
 

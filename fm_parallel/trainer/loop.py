@@ -27,7 +27,7 @@ from fm_parallel.trainer.data import DataError
 from fm_parallel.trainer.export import save_base_model
 from fm_parallel.trainer.flops import rows_flops
 from fm_parallel.trainer.fsdp import in_root
-from fm_parallel.trainer.memory import GIB, plan_shortfall, prefer_expandable_segments
+from fm_parallel.longcontext.memory import GIB, plan_shortfall, prefer_expandable_segments
 from fm_parallel.trainer.model import build_model, build_tokenizer, compiles
 from fm_parallel.trainer.objectives import objective as make_objective, rows_per_pass
 from fm_parallel.trainer.optimizer import build_optimizer, set_learning_rate, update

@@ -111,7 +111,7 @@ def compile_seconds() -> float:
 def first_step_costs(policy, compiled_since: float | None) -> dict:
     """What a step spent outside its computation, where nonzero: ``compile_s`` (``torch.compile``
     since ``compiled_since``) and ``host_alloc_s`` (allocating the offloaded checkpoints' host buffers,
-    :class:`~fm_parallel.trainer.memory.CheckpointPolicy`). Both are paid by a process's first step at a
+    :class:`~fm_parallel.longcontext.memory.CheckpointPolicy`). Both are paid by a process's first step at a
     length and shrink to about zero on the next."""
     costs = {}
     compiled = compile_seconds() - compiled_since if compiled_since is not None else 0.0

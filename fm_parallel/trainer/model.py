@@ -13,10 +13,9 @@ from pathlib import Path
 
 import torch
 
+from fm_parallel.longcontext import long_context
 from fm_parallel.trainer.config import Config, ConfigError, model_dtype
 from fm_parallel.trainer.data import load_tokenizer
-from fm_parallel.trainer.memory import checkpoint_layers
-from fm_parallel.trainer.tiling import tile_decoder_layers
 
 __all__ = ["tokenizer_source", "build_tokenizer", "check_vocabulary", "compiles", "build_model", "hidden", "hidden_states"]
 
@@ -149,17 +148,18 @@ def build_model(cfg: Config, vocab_size: int, device, save_base=None, head: str 
     base.to(device)
     if save_base is not None and not cfg.model.path and cfg.model.finetune != "full":  # full: the export is the model
         save_base(base)
-    base.config.use_cache = False
-    if cfg.model.tile_chunk:  # before checkpoint_layers, which then leaves the tiled layers (their own checkpoints) unwrapped
-        tile_decoder_layers(base, cfg.model.tile_chunk, cfg.model.attention_chunk, compiled=compiles(cfg, device))
-    policy = None
-    if cfg.model.activation_checkpointing:  # offload_layers is checked against the model's layer count there
-        try:
-            policy = checkpoint_layers(base, cfg.model.offload_layers, cfg.model.checkpoint_every)
-        except ValueError as e:  # against the built model's layers (a model.path model's are known only now)
-            raise ConfigError(f"model.{e}" if str(e).startswith("offload_layers") else f"model.checkpoint_{e}") from None
-    elif cfg.model.offload_layers:
-        raise ConfigError(f"model.offload_layers: expected 0 without activation checkpointing, got {cfg.model.offload_layers}")
+    m = cfg.model
+    if not m.activation_checkpointing and m.offload_layers:
+        raise ConfigError(f"model.offload_layers: expected 0 without activation checkpointing, got {m.offload_layers}")
+    try:  # the components any HF model can take (fm_parallel.longcontext), with the run's keys
+        policy = long_context(base, tile_chunk=m.tile_chunk, attention_chunk=m.attention_chunk,
+                              checkpoint_every=m.checkpoint_every if m.activation_checkpointing else 1,
+                              offload_layers=m.offload_layers, compile=compiles(cfg, device),
+                              checkpointing=m.activation_checkpointing)
+    except ValueError as e:  # against the built model's layers (a model.path model's are known only now)
+        key, _, rest = str(e).partition(": ")
+        key = {"every": "checkpoint_every", "model": "path"}.get(key, key)
+        raise ConfigError(f"model.{key}: {rest}") from None
     if cfg.model.finetune == "full":  # every weight, sharded over the world (fm_parallel/trainer/fsdp.py)
         from fm_parallel.trainer.fsdp import shard_full_model
 

@@ -24,7 +24,7 @@ from fm_parallel.trainer.config import Config, ConfigError
 from fm_parallel.trainer.data import Row, check_dpo_sample, dpo_rows, rm_rows, rm_sample, sft_rows
 from fm_parallel.trainer.model import hidden_states
 from fm_parallel.trainer.sources import validate_records
-from fm_parallel.trainer.tiles import tiled_map, tiled_sum
+from fm_parallel.longcontext.tiles import tiled_map, tiled_sum
 
 __all__ = ["Objective", "SFT", "DPO", "RM", "OBJECTIVES", "objective", "rows_per_pass", "chunked", "chunked_cross_entropy"]
 
@@ -32,7 +32,7 @@ __all__ = ["Objective", "SFT", "DPO", "RM", "OBJECTIVES", "objective", "rows_per
 def chunked(head, hidden, labels, chunk: int, fn):
     """Sum of ``fn(logits_chunk, labels_chunk)`` over token chunks; each chunk's logits are recomputed
     in the backward instead of kept, so ``[N, vocab]`` logits never exist at once, and ``hidden``'s
-    gradient is written chunk by chunk into one buffer (:func:`~fm_parallel.trainer.tiles.tiled_sum`)."""
+    gradient is written chunk by chunk into one buffer (:func:`~fm_parallel.longcontext.tiles.tiled_sum`)."""
     return tiled_sum(lambda h_, y_: fn(at_least_float32(head(h_)), y_), hidden, chunk, labels, params=head.parameters())
 
 

@@ -98,7 +98,7 @@ def _model(shape: str, impl: str, device, args):
 
 class Planner:
     """The memory plan of each length, from the model's shape and a measured budget, not from trial and
-    error (``fm_parallel.trainer.memory.plan_memory``). By default ``measure_layer`` measures one
+    error (``fm_parallel.longcontext.memory.plan_memory``). By default ``measure_layer`` measures one
     decoder layer as the trainer's plan does (``fm_parallel.trainer.capacity.measure_layer_budget`` at
     ``measured_lengths``): a line ``fixed + per_token * n`` per phase (``StepBudget``); with
     ``--calibrate``, ``calibrate`` fits those lines through two short steps' peaks of the whole model
@@ -155,7 +155,7 @@ class Planner:
 
     def calibrate(self, measured: dict[int, dict[str, float]]) -> dict:
         """``measured[n][phase]``: bytes above static of the step of ``n`` tokens."""
-        from fm_parallel.trainer.memory import StepBudget
+        from fm_parallel.longcontext.memory import StepBudget
 
         self.budget = StepBudget.fit(measured)
         self.extra = 0.0
@@ -164,7 +164,7 @@ class Planner:
                 "lines": self._lines()}
 
     def plan(self, n: int, static: float):
-        from fm_parallel.trainer.memory import MemoryPlan, plan_memory
+        from fm_parallel.longcontext.memory import MemoryPlan, plan_memory
 
         if self.budget is None:
             return MemoryPlan(n, self.every or 1, self.offload or 0, 0, 0)
@@ -233,7 +233,7 @@ def run(shape: str, impl: str, device, args) -> dict:
 
     from fm_parallel.trainer.capacity import PhasePeaks
     from fm_parallel.trainer.flops import peak_tflops, step_flops
-    from fm_parallel.trainer.memory import (MemoryPlanError, checkpoint_layers, gpu_memory_budget,
+    from fm_parallel.longcontext.memory import (MemoryPlanError, checkpoint_layers, gpu_memory_budget,
                                             held_elsewhere_message, plan_shortfall)
     from fm_parallel.trainer.metrics import allocator_stats, compile_seconds, first_step_costs
 
@@ -369,15 +369,15 @@ def run(shape: str, impl: str, device, args) -> dict:
 def memory_breakdown_step(model, shape: str, impl: str, planner: Planner, device, args) -> dict:
     """One step of ``args.memory_breakdown`` tokens (planned like the others, no warm step before it:
     at 1M one step is what we can afford) under the CUDA allocator's history
-    (:mod:`fm_parallel.trainer.memory_breakdown`): what its peak is made of, term by term, beside the
+    (:mod:`fm_parallel.longcontext.memory_breakdown`): what its peak is made of, term by term, beside the
     plan's prediction and the static terms measured on the model. Written to max_context_memory.json.
     A step that fails still gives its breakdown of what filled the device until then: out of memory
     (``fits`` false, the failed request in ``oom``) or any other error (``fits`` None, the error line
     in ``error``, and in ``hint`` what to do when it is torch's known conflict with the recording)."""
     import gc
 
-    from fm_parallel.trainer.memory import MemoryPlanError, checkpoint_layers
-    from fm_parallel.trainer.memory_breakdown import (peak_breakdown, record, recordable_checkpoints,
+    from fm_parallel.longcontext.memory import MemoryPlanError, checkpoint_layers
+    from fm_parallel.longcontext.memory_breakdown import (peak_breakdown, record, recordable_checkpoints,
                                                       recording_conflict, static_terms)
 
     n = args.memory_breakdown
@@ -659,7 +659,7 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         merge(args.merge, args.out, cmd, args.note)
         return
-    from fm_parallel.trainer.memory import prefer_expandable_segments
+    from fm_parallel.longcontext.memory import prefer_expandable_segments
 
     if args.device.startswith("cuda") and prefer_expandable_segments():  # as the trainer does, before CUDA starts
         print("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set as the trainer sets it)", flush=True)

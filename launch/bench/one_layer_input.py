@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from fm_parallel.trainer import capacity  # noqa: E402
 from fm_parallel.trainer.config import load_config  # noqa: E402
-from fm_parallel.trainer.memory import GIB, StepBudget  # noqa: E402
+from fm_parallel.longcontext.memory import GIB, StepBudget  # noqa: E402
 from fm_parallel.trainer.model import build_tokenizer  # noqa: E402
 
 VARIANTS = {

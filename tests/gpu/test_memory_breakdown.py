@@ -1,4 +1,4 @@
-"""GPU check of the allocator-history breakdown (fm_parallel/trainer/memory_breakdown.py) and of
+"""GPU check of the allocator-history breakdown (fm_parallel/longcontext/memory_breakdown.py) and of
 ``max_context.py --memory-breakdown``: on a known pattern of allocations the replay finds the peak to
 the byte and names the line that allocated each term; through the script, the peak it reports agrees
 with ``torch.cuda.max_memory_allocated``.
@@ -22,7 +22,7 @@ MIB = 2**20
 
 @needs_cuda
 def test_a_known_pattern_peaks_where_it_should():
-    from fm_parallel.trainer.memory_breakdown import peak_breakdown, record
+    from fm_parallel.longcontext.memory_breakdown import peak_breakdown, record
 
     device = torch.device("cuda")
     keep = torch.empty(8 * MIB, dtype=torch.uint8, device=device)  # before the recording: in start_gib only

@@ -1,5 +1,5 @@
 """GPU check of the memory plan made phase by phase (fm_parallel/trainer/capacity.py, ``StepBudget`` in
-fm_parallel/trainer/memory.py): the phases' peaks add up to the step's own peak (the resets between
+fm_parallel/longcontext/memory.py): the phases' peaks add up to the step's own peak (the resets between
 them lose nothing), and the trainer's own plan, asked for a length directly, holds its steps.
 
     FM_FA4_SITE=/tmp/site python -m pytest -q -rs tests/gpu/test_memory_plan.py     # on the H200
@@ -111,7 +111,7 @@ def test_the_trainers_plan_keeps_within_what_another_process_leaves(tmp_path):
     the missing line."""
     import re
 
-    from fm_parallel.trainer.memory import GIB
+    from fm_parallel.longcontext.memory import GIB
 
     total = torch.cuda.get_device_properties(0).total_memory
     free_before, _ = torch.cuda.mem_get_info()

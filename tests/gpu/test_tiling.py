@@ -1,4 +1,4 @@
-"""GPU check of the tiled decoder layer (fm_parallel/trainer/tiling.py) with the CUDA backends, bf16:
+"""GPU check of the tiled decoder layer (fm_parallel/longcontext/tiling.py) with the CUDA backends, bf16:
 attention per query chunk gives the loss and LoRA gradients of one call over the whole sequence, and
 of the untiled layer, on packed documents (chunks cut between them: FA4's varlen kernel per chunk)
 and on one long document (chunks inside it: windows that overlap, block-sparse kernels, key

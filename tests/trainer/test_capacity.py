@@ -6,7 +6,7 @@ trainer's handling are what is tested."""
 import pytest
 import torch
 
-from fm_parallel.trainer.memory import GIB
+from fm_parallel.longcontext.memory import GIB
 
 pytest.importorskip("transformers")
 
@@ -81,7 +81,7 @@ def test_the_plan_at_each_length_asked_directly(h200, n, every, offload):
 def test_the_device_budget_leaves_out_what_other_processes_hold(monkeypatch):
     """94% of the GPU on a GPU this process has to itself, whatever its own allocator holds; less what
     other processes hold (beyond this process's context), said once."""
-    from fm_parallel.trainer.memory import CONTEXT_BYTES, gpu_memory_budget
+    from fm_parallel.longcontext.memory import CONTEXT_BYTES, gpu_memory_budget
 
     _gpu(monkeypatch, 139, reserved_gib=30)
     assert gpu_memory_budget("cuda", 0.94) == (0.94 * 139 * GIB, 0.0)
@@ -240,7 +240,7 @@ def test_decoder_parameters_are_the_built_llamas_less_embeddings_and_head():
     """The count the CPU's host-memory check uses, against transformers' own Llama of that shape."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fm_parallel.trainer.memory import decoder_parameters
+    from fm_parallel.longcontext.memory import decoder_parameters
 
     for shape in (dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128),
                   dict(hidden=96, layers=3, heads=6, kv_heads=6, intermediate=200)):
@@ -300,7 +300,7 @@ def test_the_1m_config_on_a_cpu_is_refused_at_once_through_the_launcher(tmp_path
     import sys
     from pathlib import Path
 
-    from fm_parallel.trainer.memory import host_memory_bytes
+    from fm_parallel.longcontext.memory import host_memory_bytes
 
     if host_memory_bytes() > 538 * GIB:
         pytest.skip("this host holds the 8B shape's 1M checkpoints")

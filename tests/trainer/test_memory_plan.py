@@ -81,18 +81,18 @@ def test_checkpoint_every_is_validated(tmp_path):
 
 
 # An 8B-shaped Llama in bf16: checkpoints of 8 GiB at 1M tokens; a stated budget by phase.
-MARGIN = 1024  # fm_parallel.trainer.memory.MARGIN_PER_TOKEN
+MARGIN = 1024  # fm_parallel.longcontext.memory.MARGIN_PER_TOKEN
 
 
 def _shape():
-    from fm_parallel.trainer.memory import StepBudget
+    from fm_parallel.longcontext.memory import StepBudget
 
     lines = {"forward": (2 * GIB, 16 * 2**10), "loss_backward": (12 * GIB, 0.0), "layers_backward": (0.0, 40 * 2**10)}
     return dict(layers=32, hidden=4096, itemsize=2, static_bytes=20 * GIB, budget=StepBudget(lines))
 
 
 def test_the_plan_takes_the_least_recompute_that_fits():
-    from fm_parallel.trainer.memory import plan_memory
+    from fm_parallel.longcontext.memory import plan_memory
 
     short = plan_memory(65536, **_shape(), device_budget=130 * GIB, host_budget=100 * GIB)
     assert (short.every, short.offload_layers, short.host_bytes) == (1, 0, 0)  # everything on the device
@@ -112,7 +112,7 @@ def test_the_plan_takes_the_least_recompute_that_fits():
 def test_the_plan_keeps_a_margin_per_token_in_every_phase():
     """The plan promises an upper bound; its lines, measured at two short lengths, miss by up to about
     0.75 KiB per token (measured, see ``MARGIN_PER_TOKEN``), so every phase's need carries 1 KiB more."""
-    from fm_parallel.trainer.memory import StepBudget, inputs_held
+    from fm_parallel.longcontext.memory import StepBudget, inputs_held
 
     budget = StepBudget({"forward": (1.0, 2.0), "loss_backward": (3.0, 0.0), "layers_backward": (0.0, 4.0)})
     for phase, (fixed, per_token) in budget.lines.items():
@@ -132,7 +132,7 @@ def test_the_plan_keeps_a_margin_per_token_in_every_phase():
     ("step", 3, 9, 4),  # a line not split by phase: every kept checkpoint and a segment's other inputs
 ])
 def test_the_layer_inputs_each_phase_holds(phase, every, offloaded, held):
-    from fm_parallel.trainer.memory import inputs_held
+    from fm_parallel.longcontext.memory import inputs_held
 
     assert inputs_held(phase, 32, every, offloaded) == held
 
@@ -143,7 +143,7 @@ def test_the_plan_moves_as_the_measured_1m_runs_moved():
     122.16 (H200, every 2, 9 of 16 kept). On one budget line, the plan's differences between those
     layouts are the measured ones: 0 GiB, then 56 (the old count of every kept checkpoint at the
     layers' backward gave 8 GiB between the first two)."""
-    from fm_parallel.trainer.memory import StepBudget, plan_memory
+    from fm_parallel.longcontext.memory import StepBudget, plan_memory
 
     shape = dict(layers=32, hidden=4096, itemsize=2, static_bytes=17.7 * GIB,
                  budget=StepBudget({"forward": (8 * GIB, 16 * 2**10), "loss_backward": (1 * GIB, 1 * 2**10),
@@ -170,7 +170,7 @@ def test_the_trainers_measured_line_plans_the_layouts_that_ran_at_1m_and_above_t
     measured peak (66.21 GiB on the H100, every 3 layers; 122.16 on the H200, every 2 and 14
     offloaded; the leaf's line was 7.7 above), and with each GPU's budget (94% of 79.18 and of 139
     GiB; 75% of 125 GiB host) the plans are those layouts."""
-    from fm_parallel.trainer.memory import StepBudget, plan_memory
+    from fm_parallel.longcontext.memory import StepBudget, plan_memory
 
     fixed = 73.8735 * GIB - 16 * GIB - 40 * 2**10 * (1 << 20) - less_fixed_gib * GIB  # the printed plan, less 2 held inputs and the line
     shape = dict(layers=32, hidden=4096, itemsize=2, static_bytes=fixed,
@@ -201,7 +201,7 @@ def test_the_scripts_measured_lines_plan_what_ran(n, offload_layers, planned_gib
     import json
     from pathlib import Path
 
-    from fm_parallel.trainer.memory import StepBudget, plan_memory
+    from fm_parallel.longcontext.memory import StepBudget, plan_memory
 
     cal = json.loads((Path(__file__).parents[2] / "docs/benchmarks/max_context_runs/8b_h100_1m_by_phase_calibration.json").read_text())
     budget = StepBudget({p: (v["fixed_gib"] * GIB, v["bytes_per_token"]) for p, v in cal["lines"].items()})
@@ -217,7 +217,7 @@ def test_the_step_budget_fits_a_line_per_phase_and_plans_on_the_one_that_needs_t
     """Two short steps where the loss sets the overall peak: one line through the overall peaks follows
     the loss (flat) and misses the layers' line at 1M; the budget keeps both and takes, at each length,
     the phase that needs the most (figures near the H100's 8B shape, docs/long-context.md)."""
-    from fm_parallel.trainer.memory import StepBudget
+    from fm_parallel.longcontext.memory import StepBudget
 
     def layers(n):
         return 1.5 * GIB + 36 * 2**10 * n
@@ -244,7 +244,7 @@ def test_the_step_budget_fits_a_line_per_phase_and_plans_on_the_one_that_needs_t
     ({1: {"forward": 1.0}, 2: {"loss_backward": 1.0}}, r"peaks: no phase measured at both lengths"),
 ])
 def test_the_step_budget_refuses_what_it_cannot_fit(peaks, message):
-    from fm_parallel.trainer.memory import StepBudget
+    from fm_parallel.longcontext.memory import StepBudget
 
     with pytest.raises(ValueError, match=message):
         StepBudget.fit(peaks)
@@ -291,7 +291,7 @@ def test_the_one_layer_measurement_ends_each_phase_where_the_trainer_step_change
         for name, p in model.named_parameters():
             if p.requires_grad and ".layers.0." in name:
                 p.register_hook(lambda g: log.append(("layer grad", made[-1]() is not None)))
-        from fm_parallel.trainer.memory import decoder_layers
+        from fm_parallel.longcontext.memory import decoder_layers
 
         decoder_layers(model)[0].register_forward_pre_hook(layer_input, with_kwargs=True)
         return model
@@ -315,7 +315,7 @@ def test_the_one_layer_measurement_ends_each_phase_where_the_trainer_step_change
 
 
 def test_a_length_no_plan_fits_is_refused_naming_what_it_needs():
-    from fm_parallel.trainer.memory import MemoryPlanError, plan_memory
+    from fm_parallel.longcontext.memory import MemoryPlanError, plan_memory
 
     with pytest.raises(MemoryPlanError, match=r"n: 4194304 tokens do not fit: the closest plan needs [\d.]+ GiB on the device "
                                               r"and [\d.]+ GiB of host memory, this machine gives 130.0 GiB and 100.0 GiB"):
@@ -342,7 +342,7 @@ def test_the_trainer_command_with_a_checkpoint_every_2_layers_trains_the_same_lo
 
 
 def test_a_step_above_its_plan_is_named_with_the_amount():
-    from fm_parallel.trainer.memory import MemoryPlan, plan_shortfall
+    from fm_parallel.longcontext.memory import MemoryPlan, plan_shortfall
 
     plan = MemoryPlan(1 << 20, 3, -1, int(66.5 * GIB), 88 * GIB)
     assert plan_shortfall(plan, 66.5 * GIB) is None and plan_shortfall(None, 1e12) is None
@@ -360,7 +360,7 @@ def _train_with_a_plan(rank, world, argv, out, device_bytes):
 
     import fm_parallel.trainer.loop as loop
     from fm_parallel.trainer.config import load_config
-    from fm_parallel.trainer.memory import MemoryPlan
+    from fm_parallel.longcontext.memory import MemoryPlan
 
     loop.plan_run = lambda cfg, *a, **k: MemoryPlan(cfg.data.seq_len, 1, 0, device_bytes, 0)
     printed = io.StringIO()

@@ -255,7 +255,7 @@ def test_the_first_step_says_what_it_spent_compiling_and_the_next_does_not(tmp_p
 
 def test_first_step_costs_reads_the_policy_and_the_compile_counter(monkeypatch):
     from fm_parallel.trainer import metrics
-    from fm_parallel.trainer.memory import CheckpointPolicy
+    from fm_parallel.longcontext.memory import CheckpointPolicy
 
     spent = iter([3.0, 10.0, 10.0])
     monkeypatch.setattr(metrics, "compile_seconds", lambda: next(spent))

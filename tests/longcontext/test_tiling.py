@@ -1,4 +1,4 @@
-"""Tiled decoder layers (fm_parallel/trainer/tiling.py): a layer is its own checkpoint keeping only its
+"""Tiled decoder layers (fm_parallel/longcontext/tiling.py): a layer is its own checkpoint keeping only its
 input, its per-token parts run over tiles and FlashMask attention over query chunks. Exactness first:
 float64 losses and LoRA gradients equal to the untiled layer's for every kind of chunk (between
 documents, inside one long document, windows that overlap, rows that see nothing), with checkpoints
@@ -45,7 +45,7 @@ def _model(tile: int = 0, attention_chunk: int = 65536, layers: int = 3, every: 
 
 def _step(model, mask: FlashMask, batch: int = 1):
     from fm_parallel.trainer.model import hidden
-    from fm_parallel.trainer.tiles import tiled_sum
+    from fm_parallel.longcontext.tiles import tiled_sum
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 258, (batch, N), generator=g)
@@ -193,7 +193,7 @@ def test_compiled_parts_give_the_untiled_loss_and_gradients():
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
-    from fm_parallel.trainer.tiling import _compiled
+    from fm_parallel.longcontext.tiling import _compiled
 
     mask = masks.document([100, 120, 80])
     for chunk in (128, 0):  # attention per query chunk, and over the whole sequence (the CP / baselines path)
@@ -212,7 +212,7 @@ def test_compiled_parts_give_the_untiled_loss_and_gradients():
 def test_a_failed_compile_names_the_key_that_turns_it_off(monkeypatch):
     import torch._dynamo
 
-    from fm_parallel.trainer import tiling
+    from fm_parallel.longcontext import tiling
 
     def failing(fn, **kwargs):
         def run(*args, **kw):
@@ -248,7 +248,7 @@ def test_dropout_in_a_tiled_layer_is_refused():
 
 def test_attention_chunk_is_validated():
     from fm_parallel.trainer.config import load_config
-    from fm_parallel.trainer.tiling import tile_decoder_layers
+    from fm_parallel.longcontext.tiling import tile_decoder_layers
 
     with pytest.raises(ValueError, match=r"attention_chunk: expected a value >= 0"):
         load_config(["--model.attention_chunk", "-1"], environ={})

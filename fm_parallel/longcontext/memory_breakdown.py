@@ -4,7 +4,7 @@ own record of every allocation and free, not estimated from shapes.
     with record(device) as rec:                      # torch's allocator history, Python stacks
         step()
     out = peak_breakdown(rec.snapshot, rec.start_bytes, rec.device_index, max_entries=rec.max_entries)
-    out["terms"]                                     # [{"where": "fm_parallel/trainer/tiling.py:forward", "gib": ..}, ..]
+    out["terms"]                                     # [{"where": "fm_parallel/longcontext/tiling.py:forward", "gib": ..}, ..]
     static_terms(model, optimizer, device=device)    # weights, adapters, gradients, optimizer state
 
 ``record`` notes what is allocated when it starts (weights, adapters, any optimizer state: the

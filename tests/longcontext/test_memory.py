@@ -152,8 +152,8 @@ def test_tiled_layers_save_a_few_hidden_sized_tensors_per_token():
 
 
 def test_tiling_and_offload_name_what_a_model_lacks():
-    from fm_parallel.trainer.memory import checkpoint_layers
-    from fm_parallel.trainer.tiling import tile_decoder_layers
+    from fm_parallel.longcontext.memory import checkpoint_layers
+    from fm_parallel.longcontext.tiling import tile_decoder_layers
 
     class Odd(torch.nn.Module):
         def __init__(self, layers):
@@ -170,7 +170,7 @@ def test_tiling_and_offload_name_what_a_model_lacks():
 
 
 def test_expandable_segments_are_asked_for_only_before_cuda_and_never_over_the_users_choice(monkeypatch):
-    from fm_parallel.trainer import memory
+    from fm_parallel.longcontext import memory
 
     for name in memory.ALLOCATOR_ENV:
         monkeypatch.delenv(name, raising=False)

@@ -1,4 +1,4 @@
-"""``fm_parallel.trainer.memory_breakdown`` on the CPU: the trace replay on synthetic allocator
+"""``fm_parallel.longcontext.memory_breakdown`` on the CPU: the trace replay on synthetic allocator
 snapshots (the peak's event, what frees remove, frees awaiting another stream, frees of memory from
 before the recording, which frame names a term) with exact byte counts, and ``static_terms`` on a tiny
 peft LoRA model after an AdamW step against sums taken here."""
@@ -6,12 +6,12 @@ peft LoRA model after an AdamW step against sums taken here."""
 import pytest
 import torch
 
-from fm_parallel.trainer.memory_breakdown import peak_breakdown, static_terms
+from fm_parallel.longcontext.memory_breakdown import peak_breakdown, static_terms
 
 MIB = 2**20
 GIB = 2**30
 
-OURS = "/work/repo/fm_parallel/trainer/tiling.py"
+OURS = "/work/repo/fm_parallel/longcontext/tiling.py"
 BENCH = "/work/repo/launch/bench/max_context.py"
 KERNEL = "/work/repo/kernels/triton_flashmask.py"
 TORCH = "/venv/lib/python3.11/site-packages/torch/nn/functional.py"
@@ -67,7 +67,7 @@ def test_the_peak_is_the_event_of_most_live_bytes_and_frees_remove():
     assert out["peak_gib"] * GIB == 3 * GIB + 550 * MIB
     assert out["start_gib"] == 3.0
     # At the peak: 1 (100), 3 (200), 4 (250); 2 was freed before the peak and 5 came after.
-    assert terms(out) == {"fm_parallel/trainer/tiling.py:forward": (550, 3)}
+    assert terms(out) == {"fm_parallel/longcontext/tiling.py:forward": (550, 3)}
     assert out["trace_truncated"] is False and out["unknown_freed_gib"] == 0
     assert out["events"] == len(trace)
 
@@ -79,7 +79,7 @@ def test_segments_do_not_count_and_the_first_of_equal_peaks_is_taken():
              {"action": "segment_free", "addr": 0, "size": 4096 * MIB, "stream": 0, "frames": []}]
     out = peak_breakdown(snap(trace), 0)
     assert out["peak_event"] == 1 and out["step_peak_gib"] * GIB == 100 * MIB
-    assert terms(out) == {"fm_parallel/trainer/tiling.py:forward": (100, 1)}
+    assert terms(out) == {"fm_parallel/longcontext/tiling.py:forward": (100, 1)}
 
 
 def test_terms_are_named_by_the_innermost_frame_of_ours_else_torch_else_unknown():
@@ -95,14 +95,14 @@ def test_terms_are_named_by_the_innermost_frame_of_ours_else_torch_else_unknown(
     ]
     out = peak_breakdown(snap(trace), 0)
     assert terms(out) == {
-        "fm_parallel/trainer/tiling.py:tile_forward": (65, 2),
+        "fm_parallel/longcontext/tiling.py:tile_forward": (65, 2),
         "launch/bench/max_context.py:_step": (32, 1),
         "kernels/triton_flashmask.py:flashmask_fwd": (16, 1),
         "torch:torch/nn/functional.py:linear": (8, 1),
         "torch:kernels/layer.py:forward": (4, 1),
         "unknown": (2, 1),
     }
-    assert [t["where"] for t in out["terms"]][:3] == ["fm_parallel/trainer/tiling.py:tile_forward",
+    assert [t["where"] for t in out["terms"]][:3] == ["fm_parallel/longcontext/tiling.py:tile_forward",
                                                      "launch/bench/max_context.py:_step",
                                                      "kernels/triton_flashmask.py:flashmask_fwd"]  # largest first
     tile = out["terms"][0]
@@ -123,7 +123,7 @@ def test_a_free_awaiting_another_stream_counts_until_it_completes():
     assert out["peak_event"] == 2 and out["step_peak_gib"] * GIB == 200 * MIB
     assert out["awaiting_free_gib"] * GIB == 100 * MIB
     assert out["step_peak_allocated_gib"] * GIB == 150 * MIB
-    assert terms(out) == {"fm_parallel/trainer/tiling.py:forward": (200, 2)}
+    assert terms(out) == {"fm_parallel/longcontext/tiling.py:forward": (200, 2)}
 
 
 def test_without_free_completed_entries_the_request_frees():
@@ -132,7 +132,7 @@ def test_without_free_completed_entries_the_request_frees():
     out = peak_breakdown(snap(trace), 0)
     assert out["freed_at"] == "free_requested"
     assert out["step_peak_gib"] * GIB == 110 * MIB and out["peak_event"] == 3
-    assert terms(out) == {"fm_parallel/trainer/tiling.py:forward": (110, 2)}
+    assert terms(out) == {"fm_parallel/longcontext/tiling.py:forward": (110, 2)}
     assert out["awaiting_free_gib"] == 0
 
 
@@ -149,7 +149,7 @@ def test_frees_of_memory_from_before_the_recording_are_ignored():
     assert out["peak_gib"] * GIB == GIB + 200 * MIB
     assert out["unknown_freed_gib"] * GIB == 500 * MIB
     assert out["trace_truncated"] is False  # 500 MiB freed of 1 GiB held before: possible without a gap
-    assert terms(out) == {"fm_parallel/trainer/tiling.py:forward": (200, 2)}
+    assert terms(out) == {"fm_parallel/longcontext/tiling.py:forward": (200, 2)}
 
 
 def test_a_trace_that_lost_entries_is_flagged():
@@ -235,7 +235,7 @@ def test_static_terms_count_a_shared_storage_once():
 def test_record_needs_cuda_and_the_history_api_takes_our_keywords():
     import inspect
 
-    from fm_parallel.trainer.memory_breakdown import record
+    from fm_parallel.longcontext.memory_breakdown import record
 
     with pytest.raises(ValueError, match="needs a CUDA device"):
         with record("cpu"):
@@ -247,7 +247,7 @@ def test_record_needs_cuda_and_the_history_api_takes_our_keywords():
 
 
 def test_torchs_recording_conflict_is_named_only_where_it_applies():
-    from fm_parallel.trainer.memory_breakdown import recording_conflict
+    from fm_parallel.longcontext.memory_breakdown import recording_conflict
 
     # The error line the H200 gave at 64k and 1M (compiled per-token parts) and the H100 at 1M (eager).
     line = "SystemError: <built-in method apply of FunctionMeta object at 0x1762e130> returned NULL without setting an exception"
@@ -264,7 +264,7 @@ def test_a_recorded_step_with_segments_runs_each_recompute_to_the_end():
     layer keeps it."""
     import torch.utils.checkpoint as tc
 
-    from fm_parallel.trainer.memory_breakdown import recordable_checkpoints
+    from fm_parallel.longcontext.memory_breakdown import recordable_checkpoints
 
     def runs_of_the_tail() -> int:
         tail = []

@@ -60,9 +60,14 @@ class TileGrads:
         """``torch.autograd.grad`` of ``outputs`` for the ``leaves`` (tiles made with
         ``detach().requires_grad_()``) and the parameters; returns the leaves' gradients."""
         wanted = [t for t in leaves if t.requires_grad]
-        if not wanted and not self.params:
+        if isinstance(outputs, torch.Tensor):
+            outputs, grad_outputs = (outputs,), (grad_outputs,)
+        # An output no input or parameter reaches (the first layer's keys when k_proj has no adapter and
+        # the embeddings are frozen) has no gradient to give: left out, as autograd refuses it.
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if o.requires_grad]
+        if not pairs or (not wanted and not self.params):
             return [None] * len(leaves)
-        got = torch.autograd.grad(outputs, [*wanted, *self.params], grad_outputs, allow_unused=True)
+        got = torch.autograd.grad([o for o, _ in pairs], [*wanted, *self.params], [g for _, g in pairs], allow_unused=True)
         for i, g in enumerate(got[len(wanted):]):
             if g is not None:
                 self.sums[i] = g if self.sums[i] is None else self.sums[i].add_(g)

@@ -26,7 +26,7 @@ context parallelism, or with the SDPA / Flex baselines, the attention runs over 
 Measured (docs/long-context.md): an 8B-shaped Llama's memory beyond the checkpoints at the step's peak
 on the H200 went from 213 (untiled) to 105 (tiled per-token parts, whole-sequence attention) to the
 figure given there with chunked attention. Exact: float64 losses and LoRA gradients equal to the
-untiled layer's (tests/trainer/test_tiling.py).
+untiled layer's (tests/longcontext/test_tiling.py).
 
 The tiles' machinery (and :func:`~.tiles.tiled_map` / :func:`~.tiles.tiled_sum` for the final norm and
 the loss) is :mod:`.tiles`.
@@ -43,8 +43,8 @@ import torch
 from fm_parallel import backends
 from fm_parallel.masks.chunks import AttentionChunk, attention_chunks
 from fm_parallel.masks.flashmask import FlashMask
-from fm_parallel.trainer.memory import decoder_layers
-from fm_parallel.trainer.tiles import (AutocastState, TileGrads, detached_leaf, per_tile, tile_ranges, tiled_map,
+from fm_parallel.longcontext.memory import decoder_layers
+from fm_parallel.longcontext.tiles import (AutocastState, TileGrads, detached_leaf, per_tile, tile_ranges, tiled_map,
                                        trainable_parameters)
 
 __all__ = ["tile_decoder_layers", "TiledLayer"]
@@ -276,7 +276,7 @@ def _keys_backward(call: _Call, x, dk, dv, grads: TileGrads, dx):
 
 class TiledLayer(torch.autograd.Function):
     """A decoder layer as its own activation checkpoint: it saves ``x`` only (through the
-    saved-tensor hooks around it, so :class:`~fm_parallel.trainer.memory.HostOffload` moves exactly
+    saved-tensor hooks around it, so :class:`~fm_parallel.longcontext.memory.HostOffload` moves exactly
     that to the host) and recomputes the rest tile by tile in the backward."""
 
     @staticmethod
