@@ -28,7 +28,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-__all__ = ["Config", "ConfigError", "load_config", "describe", "check_before_start", "check_host_memory", "model_dtype"]
+__all__ = ["Config", "ConfigError", "load_config", "describe", "check_before_start", "check_host_memory", "model_dtype",
+           "eval_split"]
 
 
 class ConfigError(ValueError):
@@ -175,7 +176,8 @@ class EvalConfig:
                         "from training by its hash)", low=0)
     path: str = _key("", "held-out data in data.path's forms (its first eval.rows rows); empty: held out of the "
                          "training stream")
-    split: str = _key("", "the split of eval.path (empty: data.split)")
+    split: str = _key("", "the split of eval.path (empty: data.split for a folder or dataset name; a file is its one "
+                          "split)")
     examples: int = _key(0, "held-out examples (records) instead of eval.rows: the first eval.examples records of "
                             "eval.path, or of data.path (training then reads the records after them), packed as "
                             "training packs them", low=0)
@@ -343,6 +345,13 @@ def _check_extras(cfg: Config) -> None:
             except ImportError as e:
                 raise ConfigError(f"logging.{key}: expected the {extra!r} package, not installed ({e}); install it with "
                                   f"pip install 'fm_parallel[{extra}]', or set logging.{key} = false") from None
+
+
+def eval_split(cfg: Config) -> str:
+    """The split of ``eval.path``: ``eval.split``, else a file's one split (``train``), else ``data.split``."""
+    if cfg.eval.split:
+        return cfg.eval.split
+    return "train" if Path(cfg.eval.path).is_file() else cfg.data.split
 
 
 def model_dtype(cfg: Config, cuda: bool):

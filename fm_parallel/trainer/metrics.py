@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fm_parallel.trainer.config import Config, ConfigError
+from fm_parallel.trainer.config import Config, ConfigError, eval_split
 from fm_parallel.trainer.data import Row
 
 __all__ = ["MetricsLog", "Progress", "HeldOut", "Loggers", "row_digest", "memory_gib", "ema", "step_started", "step_record",
@@ -316,7 +316,7 @@ class HeldOut:
         if not e.rows:
             return
         if e.path:
-            split = e.split or cfg.data.split
+            split = eval_split(cfg)
             objective.validate(e.path, tokenizer, key="eval.path", split=split)  # the run's objective's record check
             source = type(objective)(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=e.path, split=split)))
             stream = source.rows(tokenizer)
@@ -349,7 +349,7 @@ class HeldOut:
         cfg, e = self.cfg, self.cfg.eval
         source = objective
         if e.path:
-            split = e.split or cfg.data.split
+            split = eval_split(cfg)
             objective.validate(e.path, tokenizer, key="eval.path", split=split)
             source = type(objective)(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=e.path, split=split)))
         path = source.cfg.data.path

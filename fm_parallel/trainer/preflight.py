@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fm_parallel.trainer.config import Config, ConfigError
+from fm_parallel.trainer.config import Config, ConfigError, eval_split
 from fm_parallel.trainer.model import check_vocabulary
 from fm_parallel.trainer.objectives import objective
 
@@ -29,4 +29,4 @@ def preflight(cfg: Config, tokenizer, stop) -> None:
     if cfg.data.path:
         objective(cfg).validate(cfg.data.path, tokenizer, stop)
     if cfg.eval.path:  # the held-out file, checked as the training file is, and named by its own key
-        objective(cfg).validate(cfg.eval.path, tokenizer, stop, key="eval.path", split=cfg.eval.split or cfg.data.split)
+        objective(cfg).validate(cfg.eval.path, tokenizer, stop, key="eval.path", split=eval_split(cfg))

@@ -158,3 +158,18 @@ def test_conversational_preference_files_train_through_the_trainers_command(tmp_
     assert len(records) == 2 and all(r["loss"] == r["loss"] for r in records)
     key = "rewards/margins" if objective == "dpo" else "accuracy"
     assert all(key in r for r in records) and records[0]["epoch"] > 0
+
+
+def test_a_held_out_file_beside_a_split_dataset_needs_no_split(tmp_path, capsys):
+    """data.path a saved dataset read at its 'test' split, eval.path a JSONL file: the file is its one
+    split (eval.split empty), not refused for data.split's name."""
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(RECORDS[:5]), "test": datasets.Dataset.from_list(RECORDS)}
+                         ).save_to_disk(str(tmp_path / "saved"))
+    held = write_jsonl(tmp_path / "held.jsonl", RECORDS[:4])
+    capsys.readouterr()
+    out = tmp_path / "run"
+    code, _, err = _run([*ARGS, "--data.path", str(tmp_path / "saved"), "--data.split", "test", "--eval.path", held,
+                         "--eval.examples", "4", "--eval.every", "3", "--output.dir", str(out)], capsys)
+    assert code == 0, err
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line]
+    assert [e["eval_examples"] for e in evals] == [4]
