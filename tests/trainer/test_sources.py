@@ -68,6 +68,8 @@ def test_every_source_gives_the_jsonls_records_in_order(tmp_path, cache):
     for source in ("d.parquet", "d.json", "folder", "jsonl_folder", "saved"):
         assert [r for _, r in records(str(tmp_path / source))] == RECORDS, source
     assert [r for _, r in records(str(tmp_path / "saved"), split="test")] == RECORDS[:3]
+    arrow = sorted(glob.glob(str(tmp_path / "saved" / "train" / "*.arrow")))  # an Arrow file as save_to_disk writes it
+    assert len(arrow) == 1 and [r for _, r in records(arrow[0])] == RECORDS
     got = list(records("someone/tiny-code"))
     assert [r for _, r in got] == RECORDS and got[2][0] == "someone/tiny-code[train] row 3"
     assert next(records(jsonl))[0] == f"{jsonl}:1"
