@@ -103,3 +103,49 @@ def test_what_the_components_cannot_do_is_one_clear_error():
             long_context(tiny_llama("sdpa"), **kwargs)
     with pytest.raises(ValueError, match=r"model: expected a decoder with `.model.layers`"):
         long_context(torch.nn.Linear(2, 2))
+
+
+def _cp_losses(cp_degree, tiled: bool) -> list[float]:
+    """Per-step losses of LoRA on packed documents (``DataCollatorWithFlattening``); ``cp_degree`` None:
+    the plain Trainer in one process; ``tiled``: the components applied."""
+    from transformers import DataCollatorWithFlattening, Trainer
+
+    from fm_parallel.integrations.context_parallel import ContextParallelConfig, context_parallel
+    from fm_parallel.longcontext import long_context
+    from tests.integrations.test_cp_hf_inputs import _args, _examples, _model
+
+    model = _model()
+    if tiled:
+        long_context(model, tile_chunk=8, attention_chunk=16, checkpoint_every=2)
+    common = dict(model=model, args=_args(2), train_dataset=_examples(12), data_collator=DataCollatorWithFlattening())
+    trainer = Trainer(**common) if cp_degree is None else context_parallel(Trainer)(**common, cp=ContextParallelConfig(degree=cp_degree))
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _cp_case(rank, world):
+    import os
+
+    from fm_parallel.longcontext import tiling
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29557")
+    calls, apply = [], tiling.TiledLayer.apply
+    tiling.TiledLayer.apply = staticmethod(lambda *a: (calls.append(1), apply(*a))[1])  # the tiled layers did run
+    return {"losses": _cp_losses(2, tiled=True), "tiled_calls": len(calls)}
+
+
+def test_the_components_under_cp_train_as_one_plain_process():
+    """``context_parallel(Trainer)`` on 2 gloo ranks (ring), the components applied: one process's
+    plain per-step losses."""
+    import os
+
+    from tests.distributed.spawn import run_cases
+
+    results = run_cases(2, {"cp": (_cp_case, ())}, timeout=600)["cp"]
+    os.environ.pop("WORLD_SIZE", None)  # (accelerate leaves one in os.environ)
+    want = _cp_losses(None, tiled=False)
+    for res in results:
+        assert "exception" not in res, res
+        assert len(res["losses"]) == 3 and res["losses"] == pytest.approx(want, rel=1e-5, abs=1e-5), (res, want)
+        assert res["tiled_calls"] >= 3 * 2  # 3 steps x 2 layers, at least
