@@ -149,3 +149,35 @@ def test_the_components_under_cp_train_as_one_plain_process():
         assert "exception" not in res, res
         assert len(res["losses"]) == 3 and res["losses"] == pytest.approx(want, rel=1e-5, abs=1e-5), (res, want)
         assert res["tiled_calls"] >= 3 * 2  # 3 steps x 2 layers, at least
+
+
+def _trl_losses(tiled: bool, bf16: bool) -> list[float]:
+    """TRL ``SFTTrainer``, padding-free rows, LoRA from ``peft_config``, float32 weights (``bf16``: under
+    bf16 autocast); ``tiled``: the components applied to the model before TRL wraps it."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    from fm_parallel.integrations import transformers as fm_hf
+    from fm_parallel.longcontext import long_context
+    from tests.integrations.test_trainers import documents, tiny_tokenizer
+
+    model = tiny_llama(fm_hf.register()).float()
+    if tiled:
+        long_context(model, tile_chunk=8, attention_chunk=16, checkpoint_every=2)
+    args = SFTConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=3, max_steps=3, learning_rate=1e-3,
+                     logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, padding_free=True,
+                     max_length=None, bf16=bf16, disable_tqdm=True)
+    trainer = SFTTrainer(model=model, args=args, processing_class=tiny_tokenizer(),
+                         train_dataset=Dataset.from_list([{"input_ids": d} for d in documents()]),
+                         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_components_under_trls_sft_trainer_train_as_the_plain_model(bf16):
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    got, want = _trl_losses(True, bf16), _trl_losses(False, bf16)
+    assert len(got) == 3 and got == pytest.approx(want, rel=1e-5 if not bf16 else 2e-3), (got, want)
