@@ -202,7 +202,7 @@ def sft_document(tokenizer, record: dict, where: str, assistant_only: bool = Tru
         if assistant_only:
             ids, mask = assistant_mask(tokenizer, prompt + completion, where)
         else:
-            ids, mask = tokenizer.chat_ids(prompt + completion, where)[0], None
+            ids = tokenizer.chat_ids(prompt + completion, where)[0]
             mask = [1] * len(ids)
     else:
         raise _unknown(where, record, SFT_FORMATS, "an SFT")

@@ -315,13 +315,7 @@ class HeldOut:
             return
         if not e.rows:
             return
-        if e.path:
-            split = eval_split(cfg)
-            objective.validate(e.path, tokenizer, key="eval.path", split=split)  # the run's objective's record check
-            source = type(objective)(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=e.path, split=split)))
-            stream = source.rows(tokenizer)
-        else:
-            stream = objective.rows(tokenizer)
+        stream = self._source(objective, tokenizer)[0].rows(tokenizer)
         seen: set[bytes] = set()
         repeated = False
         for row in stream:  # the rows, and (held out of the stream) one more: it must be left to train on
@@ -341,20 +335,29 @@ class HeldOut:
                               f"data (data.seq_len {cfg.data.seq_len}), got {e.rows}: none would be left to train on")
         self.digests = set() if e.path else seen
 
+    def _source(self, objective, tokenizer):
+        """``(the objective reading the held-out data, its record count)``: with ``eval.path``, the run's
+        objective on that source (its records checked, as the training data's are); else
+        ``(objective, None)``, the training data."""
+        e = self.cfg.eval
+        if not e.path:
+            return objective, None
+        split = eval_split(self.cfg)
+        count = objective.validate(e.path, tokenizer, key="eval.path", split=split)
+        data = dataclasses.replace(self.cfg.data, path=e.path, split=split)
+        return type(objective)(dataclasses.replace(self.cfg, data=data)), count
+
     def _hold_examples(self, objective, tokenizer) -> None:
         """``eval.examples``: the first examples of ``eval.path`` (or of the training data, which then
         starts after them), packed into rows as training packs them."""
         from fm_parallel.trainer.sources import records
 
-        cfg, e = self.cfg, self.cfg.eval
-        source = objective
-        if e.path:
-            split = eval_split(cfg)
-            objective.validate(e.path, tokenizer, key="eval.path", split=split)
-            source = type(objective)(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=e.path, split=split)))
+        e = self.cfg.eval
+        source, total = self._source(objective, tokenizer)
         path = source.cfg.data.path
         if path:
-            total = sum(1 for _ in records(path, source.cfg.data.split, "eval.path" if e.path else "data.path"))
+            if total is None:  # the training data's records (checked by the preflight): counted here
+                total = sum(1 for _ in records(path, source.cfg.data.split, "data.path"))
             where = f"{'eval.path' if e.path else 'data.path'} {path!r}"
             if e.examples > total or (not e.path and e.examples >= total):
                 more = "at most" if e.path else "fewer than"

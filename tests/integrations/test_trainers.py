@@ -77,15 +77,20 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t2")
 
 
-def trl_losses(attention: str, padding_free: bool, bf16: bool = False) -> list[float]:
+def trl_losses(attention: str, padding_free: bool, bf16: bool = False, prepare=None) -> list[float]:
+    """Per-step losses of TRL's ``SFTTrainer`` (LoRA from ``peft_config``) on a float32 tiny Llama;
+    ``prepare(model)``: called on the model before TRL wraps it."""
     from datasets import Dataset
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
+    model = tiny_llama(attention).float()
+    if prepare is not None:
+        prepare(model)
     args = SFTConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=3, max_steps=3, learning_rate=1e-3,
                      logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, padding_free=padding_free,
                      max_length=None, bf16=bf16, disable_tqdm=True)
-    trainer = SFTTrainer(model=tiny_llama(attention).float(), args=args, processing_class=tiny_tokenizer(),
+    trainer = SFTTrainer(model=model, args=args, processing_class=tiny_tokenizer(),
                          train_dataset=Dataset.from_list([{"input_ids": d} for d in documents()]),
                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     trainer.train()
