@@ -151,33 +151,35 @@ def test_the_components_under_cp_train_as_one_plain_process():
         assert res["tiled_calls"] >= 3 * 2  # 3 steps x 2 layers, at least
 
 
-def _trl_losses(tiled: bool, bf16: bool) -> list[float]:
-    """TRL ``SFTTrainer``, padding-free rows, LoRA from ``peft_config``, float32 weights (``bf16``: under
-    bf16 autocast); ``tiled``: the components applied to the model before TRL wraps it."""
-    from datasets import Dataset
-    from peft import LoraConfig
-    from trl import SFTConfig, SFTTrainer
-
-    from fm_parallel.integrations import transformers as fm_hf
-    from fm_parallel.longcontext import long_context
-    from tests.integrations.test_trainers import documents, tiny_tokenizer
-
-    model = tiny_llama(fm_hf.register()).float()
-    if tiled:
-        long_context(model, tile_chunk=8, attention_chunk=16, checkpoint_every=2)
-    args = SFTConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=3, max_steps=3, learning_rate=1e-3,
-                     logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, padding_free=True,
-                     max_length=None, bf16=bf16, disable_tqdm=True)
-    trainer = SFTTrainer(model=model, args=args, processing_class=tiny_tokenizer(),
-                         train_dataset=Dataset.from_list([{"input_ids": d} for d in documents()]),
-                         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    trainer.train()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
-
-
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
 def test_the_components_under_trls_sft_trainer_train_as_the_plain_model(bf16):
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
-    got, want = _trl_losses(True, bf16), _trl_losses(False, bf16)
+    from fm_parallel.integrations import transformers as fm_hf
+    from fm_parallel.longcontext import long_context
+    from tests.integrations.test_trainers import trl_losses
+
+    # TRL's SFTTrainer, padding-free rows, LoRA from peft_config; the components applied before TRL wraps the model.
+    tiled = lambda model: long_context(model, tile_chunk=8, attention_chunk=16, checkpoint_every=2)  # noqa: E731
+    got, want = trl_losses(fm_hf.register(), True, bf16, prepare=tiled), trl_losses(fm_hf.register(), True, bf16)
     assert len(got) == 3 and got == pytest.approx(want, rel=1e-5 if not bf16 else 2e-3), (got, want)
+
+
+def test_the_trainers_tiled_layers_train_adapters_without_k_proj(tmp_path, capsys):
+    """The same bug through the trainer's command: LoRA on q_proj / v_proj only (the first layer's keys
+    have no trainable path) with tiled layers crashed in the backward; now the untiled run's losses."""
+    import json
+
+    from tests.trainer.test_model import _run
+
+    argv = ["--model.hidden_size", "32", "--model.layers", "2", "--model.heads", "2", "--model.kv_heads", "1",
+            "--model.intermediate_size", "64", "--model.lora_rank", "2", "--model.lora_targets", "q_proj,v_proj",
+            "--model.dtype", "float64", "--data.seq_len", "128", "--training.steps", "2", "--training.warmup", "0",
+            "--parallel.cp", "none", "--output.checkpoint_every", "0"]
+    losses = {}
+    for tile in ("0", "16"):
+        out = tmp_path / f"tile{tile}"
+        code, _, err = _run([*argv, "--model.tile_chunk", tile, "--output.dir", str(out)], capsys)
+        assert code == 0, err
+        losses[tile] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses["16"]) == 2 and losses["16"] == pytest.approx(losses["0"], rel=1e-9)
