@@ -124,8 +124,10 @@ def _dense_mask(attn_mask, b, hq, hkv, nq, nk, device) -> torch.Tensor:
 
 
 def autocast_inputs(q, k, v):
-    """q, k, v in the autocast dtype when autocast is on for their device (SDPA runs in the lower
-    precision under autocast, whatever dtypes its inputs come in); unchanged otherwise."""
+    """q, k, v as autocast casts an op's inputs when it is on for their device (SDPA runs in the lower
+    precision under autocast): floating tensors to the autocast dtype, except float64 ones, which
+    autocast never touches (a float64 model under ``bf16`` autocast runs SDPA in float64); unchanged
+    when autocast is off."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return q, k, v
     kind = q.device.type
@@ -136,7 +138,7 @@ def autocast_inputs(q, k, v):
     if not enabled:
         return q, k, v
     dtype = torch.get_autocast_dtype(kind)
-    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t for t in (q, k, v))
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype not in (dtype, torch.float64) else t for t in (q, k, v))
 
 
 def flashmask_attention(

@@ -217,3 +217,33 @@ def test_attention_features_we_do_not_implement_are_refused(feature):
     value = torch.zeros(2) if feature == "s_aux" else 30.0
     with pytest.raises(ValueError, match=f"{feature}: this model's attention uses {feature}"):
         attention_forward(torch.nn.Module(), q, k, v, None, **{feature: value})
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["model", "tiled layers"])
+def test_a_float64_model_under_bf16_autocast_runs_as_sdpa_does(tiled):
+    """Autocast never casts float64 tensors: SDPA in a float64 model under ``bf16`` autocast (TRL's
+    ``bf16=True``) runs in float64. Ours cast q, k, v to bfloat16 and the next projection raised a dtype
+    error (found through the long-context components under TRL)."""
+    from fm_parallel import flashmask_attention
+    from fm_parallel.integrations import transformers as fm_hf
+    from fm_parallel.longcontext import long_context
+
+    q, k, v = (torch.randn(1, 2, 33, 16, dtype=torch.float64) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = flashmask_attention(q, k, v, is_causal=True)
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert got.dtype == want.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    ours, ref = tiny_llama(fm_hf.register()), tiny_llama("sdpa")
+    if tiled:
+        long_context(ours, tile_chunk=8, attention_chunk=16)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(6))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = ours(ids, labels=ids).loss, ref(ids, labels=ids).loss
+        a.backward()
+        b.backward()
+    assert a.dtype == b.dtype and abs(a.item() - b.item()) < 1e-9
+    # (1e-7: HF's norms compute in float32 even here, so reordered float64 sums move float32 ulps; the
+    # same without autocast)
+    for (name, p), r in zip(ours.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=1e-7, msg=name)
