@@ -50,6 +50,7 @@ from fm_parallel.distributed.context import CP_MODES
 from fm_parallel.distributed.layout import CPLayout
 from fm_parallel.distributed.sharding import BALANCE_MODES
 from fm_parallel.integrations.world import check_trainer_world, launched_world
+from fm_parallel.longcontext.loss import has_chunked_loss
 from fm_parallel.masks.flashmask import FlashMask
 
 __all__ = ["ContextParallelConfig", "ContextParallelMixin", "context_parallel", "batch_row", "row_mask", "shifted"]
@@ -361,9 +362,16 @@ class ContextParallelMixin:
         ``num_items_in_batch`` (evaluation) the group's loss on this batch, replicated."""
         self._check_attention_now(model)
         row = self._cp_row(inputs)
-        outputs = model(**row.model_inputs, use_cache=False)
-        logits = outputs.logits
-        local = F.cross_entropy(logits.flatten(0, 1).float(), row.targets.flatten(), ignore_index=-100, reduction="sum")
+        if has_chunked_loss(self.accelerator.unwrap_model(model)):
+            # long_context(loss_chunk=): the model sums its chunked loss over the shard's own targets
+            # (HF's loss divided by num_items_in_batch = 1); no logits are built.
+            outputs = model(**row.model_inputs, use_cache=False, labels=row.targets, shift_labels=row.targets,
+                            num_items_in_batch=1)
+            local = outputs.loss
+        else:
+            outputs = model(**row.model_inputs, use_cache=False)
+            local = F.cross_entropy(outputs.logits.flatten(0, 1).float(), row.targets.flatten(), ignore_index=-100,
+                                    reduction="sum")
         if num_items_in_batch is not None:
             loss = local / num_items_in_batch * self.cp_layout.world
         else:

@@ -3,7 +3,7 @@
     from fm_parallel.longcontext import long_context
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=fm_hf.register())
-    policy = long_context(model, tile_chunk=16384, checkpoint_every=2, offload_layers=-1)
+    policy = long_context(model, tile_chunk=16384, checkpoint_every=2, offload_layers=-1, loss_chunk=1024)
     model = get_peft_model(model, lora)          # before or after: the layers look their modules up per call
     Trainer(model=model, args=TrainingArguments(..., gradient_checkpointing=False), ...)   # ours replaces HF's
 
@@ -12,7 +12,9 @@
   optionally compiled;
 * :mod:`.memory`: per-layer checkpoints, every ``k`` layers, inputs offloaded to pinned host memory on
   a side stream (:class:`~.memory.CheckpointPolicy`), and the memory plan's arithmetic;
-* :mod:`.tiles`: the tiled map / sum (the chunked loss that never builds full-vocabulary logits);
+* :mod:`.loss`: the chunked next-token loss (full-vocabulary logits never exist at once), also inside
+  an HF model's own forward (``loss_chunk``);
+* :mod:`.tiles`: the tiled map / sum the layers and the loss are made of;
 * :mod:`.memory_breakdown`: where a step's memory goes.
 
 Nothing here reads the trainer's configuration: the trainer (``fm_parallel/trainer/model.py``) calls
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from fm_parallel.longcontext.loss import check_chunked_lm_loss, chunked_lm_loss
 from fm_parallel.longcontext.memory import CheckpointPolicy, checkpoint_layers
 from fm_parallel.longcontext.tiling import tile_decoder_layers
 
@@ -52,7 +55,8 @@ def _check(model, tile_chunk: int) -> None:
 
 
 def long_context(model, *, tile_chunk: int = 0, attention_chunk: int = 65536, checkpoint_every: int = 1,
-                 offload_layers: int = 0, compile: bool = False, checkpointing: bool = True) -> CheckpointPolicy | None:
+                 offload_layers: int = 0, compile: bool = False, checkpointing: bool = True,
+                 loss_chunk: int = 0) -> CheckpointPolicy | None:
     """Apply the long-context components to ``model`` (a Hugging Face causal LM or sequence
     classifier, or its peft wrapper), in place; returns the checkpoint policy (None without
     ``checkpointing``), whose ``host_bytes`` says what offload holds.
@@ -68,12 +72,18 @@ def long_context(model, *, tile_chunk: int = 0, attention_chunk: int = 65536, ch
             (-1: all).
         compile: the tiled layers' per-token parts through ``torch.compile`` (a GPU with a compiler).
         checkpointing: False: no activation checkpoints (then ``offload_layers`` must be 0).
+        loss_chunk: > 0: a causal LM's forward with ``labels`` computes HF's loss over chunks of this
+            many tokens and returns no logits (:func:`~fm_parallel.longcontext.loss.chunked_lm_loss`);
+            at 256k tokens and a 128k vocabulary the logits alone would be 64 GiB in bfloat16. TRL's
+            trainers use their own fused head, which runs through the same tiled layers. 0: the
+            model's own loss.
 
     The model's ``config.use_cache`` is turned off (training). Use it instead of HF's
     ``gradient_checkpointing``, not with it. Raises ``ValueError`` naming the argument for what the
-    components cannot do (sliding-window layers or dropout with tiles, a model without decoder layers)."""
+    components cannot do (sliding-window layers or dropout with tiles, a model without decoder layers,
+    a chunked loss on a model without an LM head or with logit softcapping)."""
     for name, value, low in (("tile_chunk", tile_chunk, 0), ("attention_chunk", attention_chunk, 0),
-                             ("checkpoint_every", checkpoint_every, 1)):
+                             ("checkpoint_every", checkpoint_every, 1), ("loss_chunk", loss_chunk, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
     if isinstance(offload_layers, bool) or not isinstance(offload_layers, int) or offload_layers < -1:
@@ -83,8 +93,13 @@ def long_context(model, *, tile_chunk: int = 0, attention_chunk: int = 65536, ch
                          f"{checkpoint_every} (both place checkpoints), got False")
     base = _hf_model(model)
     _check(base, tile_chunk)
+    if loss_chunk:  # before any change: a model refused is left as it was
+        check_chunked_lm_loss(base, loss_chunk)
     if getattr(base, "config", None) is not None:
         base.config.use_cache = False
     if tile_chunk:  # before checkpoint_layers, which then leaves the tiled layers (their own checkpoints) unwrapped
         tile_decoder_layers(base, tile_chunk, attention_chunk, compiled=compile)
-    return checkpoint_layers(base, offload_layers, checkpoint_every) if checkpointing else None
+    policy = checkpoint_layers(base, offload_layers, checkpoint_every) if checkpointing else None
+    if loss_chunk:
+        chunked_lm_loss(base, loss_chunk)
+    return policy

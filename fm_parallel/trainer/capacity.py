@@ -114,7 +114,7 @@ def measured_loss(model, ids: torch.Tensor, labels: torch.Tensor, mask, loss_chu
     trainer never holds (both measurements did until 2026-12-06). ``peaks``: watches that state (its
     gradient ends the loss's backward)."""
     from fm_parallel.trainer.model import hidden
-    from fm_parallel.trainer.objectives import chunked_cross_entropy
+    from fm_parallel.longcontext.loss import chunked_cross_entropy
 
     n = ids.shape[1]
     h = hidden(model, ids, torch.arange(n, device=ids.device).view(1, n), mask, None, impl)

@@ -15,7 +15,6 @@ gradients summed over the world are the update one process would compute.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from fm_parallel.formats import DataError, sft_document
 from fm_parallel.logprobs import at_least_float32, response_sums, token_logps
@@ -24,23 +23,10 @@ from fm_parallel.trainer.config import Config, ConfigError
 from fm_parallel.trainer.data import Row, check_dpo_sample, dpo_rows, rm_rows, rm_sample, sft_rows
 from fm_parallel.trainer.model import hidden_states
 from fm_parallel.trainer.sources import validate_records
-from fm_parallel.longcontext.tiles import tiled_map, tiled_sum
+from fm_parallel.longcontext.loss import chunked_cross_entropy
+from fm_parallel.longcontext.tiles import tiled_map
 
-__all__ = ["Objective", "SFT", "DPO", "RM", "OBJECTIVES", "objective", "rows_per_pass", "chunked", "chunked_cross_entropy"]
-
-
-def chunked(head, hidden, labels, chunk: int, fn):
-    """Sum of ``fn(logits_chunk, labels_chunk)`` over token chunks; each chunk's logits are recomputed
-    in the backward instead of kept, so ``[N, vocab]`` logits never exist at once, and ``hidden``'s
-    gradient is written chunk by chunk into one buffer (:func:`~fm_parallel.longcontext.tiles.tiled_sum`)."""
-    return tiled_sum(lambda h_, y_: fn(at_least_float32(head(h_)), y_), hidden, chunk, labels, params=head.parameters())
-
-
-def chunked_cross_entropy(head, hidden, labels, chunk: int):
-    """The summed next-token cross-entropy of ``hidden [B, n, hidden]`` against ``labels [B, n]`` (-100:
-    not scored), over :func:`chunked` logits: the SFT loss."""
-    return chunked(head, hidden, labels, chunk,
-                   lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum"))
+__all__ = ["Objective", "SFT", "DPO", "RM", "OBJECTIVES", "objective", "rows_per_pass"]
 
 
 class Objective:

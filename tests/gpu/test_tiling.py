@@ -19,7 +19,7 @@ N = 32768
 def _run(tile: int, attention_chunk: int, mask, impl: str, *extra: str):
     from fm_parallel.trainer.config import load_config
     from fm_parallel.trainer.model import build_model, hidden
-    from fm_parallel.trainer.objectives import chunked_cross_entropy
+    from fm_parallel.longcontext.loss import chunked_cross_entropy
 
     argv = ["--model.hidden_size", "1024", "--model.layers", "2", "--model.heads", "8", "--model.kv_heads", "2",
             "--model.intermediate_size", "2048", "--parallel.cp", "none", "--model.tile_chunk", str(tile),

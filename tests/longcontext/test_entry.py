@@ -24,7 +24,7 @@ def _lora(model):
     return peft.get_peft_model(model, lora).double()  # peft makes float32 adapters: float64, as the base
 
 
-def _train(model, data, batch: int):
+def _train(model, data, batch: int, accumulate: int = 1, evaluate: bool = False):
     from transformers import Trainer, TrainingArguments
 
     from fm_parallel.integrations.collator import FlashMaskCollator
@@ -33,10 +33,14 @@ def _train(model, data, batch: int):
     # would turn rounding-level gradient differences near zero into lr-sized ones).
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=3, logging_steps=1,
                              learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", report_to=[], save_strategy="no",
-                             use_cpu=True, seed=0, remove_unused_columns=False, disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=FlashMaskCollator())
+                             use_cpu=True, seed=0, remove_unused_columns=False, disable_tqdm=True,
+                             gradient_accumulation_steps=accumulate, per_device_eval_batch_size=1)
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=FlashMaskCollator(),
+                      eval_dataset=data[:2] if evaluate else None)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if evaluate:
+        losses.append(trainer.evaluate()["eval_loss"])
     weights = {k: v.detach().clone() for k, v in model.named_parameters() if "lora_" in k}
     return losses, weights
 
@@ -105,9 +109,10 @@ def test_what_the_components_cannot_do_is_one_clear_error():
         long_context(torch.nn.Linear(2, 2))
 
 
-def _cp_losses(cp_degree, tiled: bool) -> list[float]:
+def _cp_losses(cp_degree, tiled: bool, loss_chunk: int = 0, head_rows: list | None = None) -> list[float]:
     """Per-step losses of LoRA on packed documents (``DataCollatorWithFlattening``); ``cp_degree`` None:
-    the plain Trainer in one process; ``tiled``: the components applied."""
+    the plain Trainer in one process; ``tiled``: the components applied; ``head_rows``: gets the most
+    positions the LM head saw at once."""
     from transformers import DataCollatorWithFlattening, Trainer
 
     from fm_parallel.integrations.context_parallel import ContextParallelConfig, context_parallel
@@ -116,10 +121,13 @@ def _cp_losses(cp_degree, tiled: bool) -> list[float]:
 
     model = _model()
     if tiled:
-        long_context(model, tile_chunk=8, attention_chunk=16, checkpoint_every=2)
+        long_context(model, tile_chunk=8, attention_chunk=16, checkpoint_every=2, loss_chunk=loss_chunk)
+    rows = _HeadRows(model.get_base_model())
     common = dict(model=model, args=_args(2), train_dataset=_examples(12), data_collator=DataCollatorWithFlattening())
     trainer = Trainer(**common) if cp_degree is None else context_parallel(Trainer)(**common, cp=ContextParallelConfig(degree=cp_degree))
     trainer.train()
+    if head_rows is not None:
+        head_rows.append(rows.most)
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
@@ -132,12 +140,15 @@ def _cp_case(rank, world):
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29557")
     calls, apply = [], tiling.TiledLayer.apply
     tiling.TiledLayer.apply = staticmethod(lambda *a: (calls.append(1), apply(*a))[1])  # the tiled layers did run
-    return {"losses": _cp_losses(2, tiled=True), "tiled_calls": len(calls)}
+    tiled = {"losses": _cp_losses(2, tiled=True), "tiled_calls": len(calls)}
+    head_rows = []
+    return {**tiled, "chunked_loss": _cp_losses(2, tiled=True, loss_chunk=3, head_rows=head_rows), "head_rows": head_rows}
 
 
 def test_the_components_under_cp_train_as_one_plain_process():
-    """``context_parallel(Trainer)`` on 2 gloo ranks (ring), the components applied: one process's
-    plain per-step losses."""
+    """``context_parallel(Trainer)`` on 2 gloo ranks (ring), the components applied (and again with
+    the chunked loss, the wrapper then asking the model for its shard's loss): one process's plain
+    per-step losses."""
     import os
 
     from tests.distributed.spawn import run_cases
@@ -149,6 +160,8 @@ def test_the_components_under_cp_train_as_one_plain_process():
         assert "exception" not in res, res
         assert len(res["losses"]) == 3 and res["losses"] == pytest.approx(want, rel=1e-5, abs=1e-5), (res, want)
         assert res["tiled_calls"] >= 3 * 2  # 3 steps x 2 layers, at least
+        assert res["head_rows"] == [3]  # the chunked loss ran (the logits' path would give the head a whole shard)
+        assert len(res["chunked_loss"]) == 3 and res["chunked_loss"] == pytest.approx(want, rel=1e-5, abs=1e-5), (res, want)
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
@@ -183,3 +196,101 @@ def test_the_trainers_tiled_layers_train_adapters_without_k_proj(tmp_path, capsy
         assert code == 0, err
         losses[tile] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses["16"]) == 2 and losses["16"] == pytest.approx(losses["0"], rel=1e-9)
+
+
+class _HeadRows:
+    """The most rows the LM head was given in one call (a forward hook)."""
+
+    def __init__(self, model):
+        self.most = 0
+        model.get_output_embeddings().register_forward_hook(self)
+
+    def __call__(self, module, args, out):
+        self.most = max(self.most, args[0].shape[:-1].numel())
+
+
+def _float64_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, shift_labels=None, **kwargs):
+    """HF's ``ForCausalLMLoss`` without its cast of the logits to float32 (which, in a float64 model,
+    rounds the loss to float32: the chunked loss keeps float64, so the reference must too)."""
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    total = torch.nn.functional.cross_entropy(logits.flatten(0, 1), shift_labels.flatten(), ignore_index=-100, reduction="sum")
+    return total / (num_items_in_batch if num_items_in_batch is not None else (shift_labels != -100).sum())
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["loss only", "with tiled layers"])
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["mean loss", "num_items_in_batch"])
+def test_the_chunked_loss_in_the_hf_forward_trains_as_the_models_own_loss(tiled, accumulate):
+    """``long_context(loss_chunk=7)``: HF ``Trainer``'s per-step losses, eval loss and LoRA weights are
+    the plain model's (float64), with and without gradient accumulation (HF then passes
+    ``num_items_in_batch``), and the LM head never sees more than 7 positions at once (the plain
+    model's sees the whole batch)."""
+    from fm_parallel.integrations import transformers as fm_hf
+    from fm_parallel.longcontext import long_context
+
+    name = fm_hf.register()
+    data = _documents("packed documents")
+    plain = tiny_llama(name)
+    plain.loss_function = _float64_causal_lm_loss
+    plain_rows = _HeadRows(plain)
+    want_losses, want_weights = _train(_lora(plain), data, 2, accumulate, evaluate=True)
+    base = tiny_llama(name)
+    rows = _HeadRows(base)
+    long_context(base, loss_chunk=7, **(dict(tile_chunk=16, attention_chunk=48) if tiled else {}))
+    got_losses, got_weights = _train(_lora(base), data, 2, accumulate, evaluate=True)
+    assert len(got_losses) == 4 and got_losses[:3] == pytest.approx(want_losses[:3], rel=1e-10, abs=0)
+    # After 3 steps: the weights (and so the eval loss) move by HF's float32 norms' rounding (see above).
+    assert got_losses[3] == pytest.approx(want_losses[3], rel=1e-8, abs=0)
+    for k, v in want_weights.items():
+        torch.testing.assert_close(got_weights[k], v, rtol=1e-6, atol=1e-8, msg=k)
+    assert 0 < rows.most <= 7 and plain_rows.most >= 60, (rows.most, plain_rows.most)
+
+
+def test_the_chunked_loss_is_hfs_loss_and_leaves_generation_alone():
+    from fm_parallel.integrations import transformers as fm_hf
+    from fm_parallel.longcontext import long_context
+
+    name = fm_hf.register()
+    ids = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(5))
+    labels = ids.clone()
+    labels[0, :9] = -100
+    plain, ours = tiny_llama(name), tiny_llama(name)
+    long_context(ours, loss_chunk=4, checkpointing=False)
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()  # (HF views it)
+    reference = tiny_llama(name)
+    reference.loss_function = _float64_causal_lm_loss
+    for kwargs in (dict(labels=labels), dict(labels=ids, shift_labels=shifted), dict(labels=labels, num_items_in_batch=torch.tensor(17))):
+        got = ours(ids, **kwargs)
+        assert got.logits is None and got.loss.dtype == torch.float64
+        # HF's own loss casts the logits to float32: equal to its resolution, and to float64's without the cast.
+        torch.testing.assert_close(got.loss, plain(ids, **kwargs).loss.double(), rtol=2e-7, atol=0)
+        torch.testing.assert_close(got.loss, reference(ids, **kwargs).loss, rtol=1e-12, atol=0)
+    assert ours(ids, shift_labels=shifted).loss is None  # as HF's: shift_labels without labels is no loss
+    # No labels: the model's own forward (logits), and generate() as before.
+    torch.testing.assert_close(ours(ids).logits, plain(ids).logits, rtol=0, atol=0)
+    plain.config.use_cache = ours.config.use_cache = True
+    prompt = ids[:1, :5]
+    assert torch.equal(ours.generate(prompt, max_new_tokens=6, do_sample=False),
+                       plain.generate(prompt, max_new_tokens=6, do_sample=False))
+
+
+def test_the_chunked_loss_refuses_models_it_would_get_wrong():
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from fm_parallel.integrations import transformers as fm_hf
+    from fm_parallel.longcontext import long_context
+
+    with pytest.raises(ValueError, match=r"loss_chunk: expected an int >= 0, got -1"):
+        long_context(tiny_llama("sdpa"), loss_chunk=-1)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, num_labels=1, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"loss_chunk: expected a causal LM with an output head .*got "
+                                         r"LlamaForSequenceClassification"):
+        long_context(LlamaForSequenceClassification(cfg), loss_chunk=8)
+    capped = tiny_llama(fm_hf.register())
+    capped.config.final_logit_softcapping = 30.0
+    forward = capped.forward
+    with pytest.raises(ValueError, match=r"loss_chunk: expected a model whose logits are its head's output, got "
+                                         r"LlamaForCausalLM with \{'final_logit_softcapping': 30.0\}"):
+        long_context(capped, loss_chunk=8, tile_chunk=16)
+    assert capped.forward == forward and type(capped.model.layers[0]).__name__ == "LlamaDecoderLayer"  # left as it was
