@@ -350,6 +350,8 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
     # ---------------------------------------------------------------- module docstrings
     **{("launch/examples/hf_long_context.py", key): Skip(SAME, "the guide's", ("docs/long-context.md", key))
        for key in (HF_LONG, f"{HF_LONG} --trainer trl --documents 4", f"{HF_LONG} --shape 8b --length 262144")},
+    ("launch/examples/hf_long_context.py", f"{HF_LONG} --shape 8b --length 262144 --device-gib 60 --host-gib 100"):
+        Skip(GPU, "the memory plan measures on a GPU (tests/gpu/test_longcontext_plan.py checks it there)"),
     ("launch/examples/hf_long_context.py", f"{HF_LONG} --model PATH --length 262144"):
         Skip(GPU, "PATH is the reader's model folder; 256k tokens need a GPU (the --shape runs test the path)"),
     ("launch/finetune_smollm2.py", PIP_SMOL): Skip(SAME, "the guide's", ("docs/huggingface.md", PIP_SMOL)),

@@ -15,6 +15,8 @@
 * :mod:`.loss`: the chunked next-token loss (full-vocabulary logits never exist at once), also inside
   an HF model's own forward (``loss_chunk``);
 * :mod:`.tiles`: the tiled map / sum the layers and the loss are made of;
+* :mod:`.plan`: the memory plan for a length and stated device / host memory (:func:`plan_long_context`,
+  from a budget :func:`measure_budget` reads on the GPU);
 * :mod:`.memory_breakdown`: where a step's memory goes.
 
 Nothing here reads the trainer's configuration: the trainer (``fm_parallel/trainer/model.py``) calls
@@ -26,10 +28,12 @@ from __future__ import annotations
 import torch
 
 from fm_parallel.longcontext.loss import check_chunked_lm_loss, chunked_lm_loss
-from fm_parallel.longcontext.memory import CheckpointPolicy, checkpoint_layers
+from fm_parallel.longcontext.memory import CheckpointPolicy, MemoryPlan, MemoryPlanError, StepBudget, checkpoint_layers
+from fm_parallel.longcontext.plan import measure_budget, plan_long_context, static_bytes
 from fm_parallel.longcontext.tiling import tile_decoder_layers
 
-__all__ = ["long_context", "CheckpointPolicy"]
+__all__ = ["long_context", "CheckpointPolicy", "measure_budget", "plan_long_context", "static_bytes", "MemoryPlan",
+           "MemoryPlanError", "StepBudget"]
 
 
 def _hf_model(model):

@@ -29,80 +29,13 @@ from typing import Callable
 import torch
 
 from fm_parallel.trainer.config import Config, ConfigError, model_dtype, processes_on_this_host
+from fm_parallel.longcontext.plan import PHASES, PhasePeaks
 from fm_parallel.longcontext.memory import (GIB, MemoryPlan, MemoryPlanError, StepBudget, gpu_memory_budget,
                                        held_elsewhere_message, host_memory_bytes, plan_memory)
 
 __all__ = ["PHASES", "PhasePeaks", "plan_run", "LayerBudget", "measure_layer_budget", "measure_one_layer",
            "measured_lengths", "dropped_gradient_input",
            "measured_loss", "worst_case_mask", "host_memory_bytes"]
-
-PHASES = ("forward", "loss_backward", "layers_backward", "optimizer")
-
-
-class PhasePeaks:
-    """The device's allocation peaks of one training step, phase by phase, in bytes above what was
-    allocated when it was made (``static``)::
-
-        peaks = PhasePeaks(device)
-        h = hidden(model, ...)            # the decoder's final hidden state [1, n, hidden]
-        peaks.watch(h)                    # its gradient arriving ends the loss's backward
-        loss = chunked_cross_entropy(head, h, ...)
-        del h                             # as the trainer: held by the loss's graph only
-        peaks.end("forward")
-        loss.backward()                   # "loss_backward" ends inside, at h's gradient
-        peaks.end("layers_backward")
-        optim.step(); peaks.end("optimizer")
-        peaks.peaks                       # {"forward": ..., "loss_backward": ..., ...}
-
-    Each end reads the allocator's peak since the previous one and restarts it
-    (``torch.cuda.reset_peak_memory_stats``: the peak restarts at what is allocated then), so
-    another reader of the device's peak over the step sees only the last phase: take
-    ``static + max(peaks.values())`` instead (:attr:`overall`). Why by phase:
-    :class:`~fm_parallel.longcontext.memory.StepBudget`. ``read`` / ``reset``: the allocator's peak and its
-    reset (stand-ins where there is no GPU)."""
-
-    def __init__(self, device: torch.device | None = None, *, read: Callable[[], float] | None = None,
-                 reset: Callable[[], None] | None = None, allocated: Callable[[], float] | None = None,
-                 reserved: Callable[[], float] | None = None):
-        cuda = read is None
-        self._read = read or (lambda: torch.cuda.max_memory_allocated(device))
-        self._reset = reset or (lambda: torch.cuda.reset_peak_memory_stats(device))
-        self._reserved = reserved or ((lambda: torch.cuda.max_memory_reserved(device)) if cuda else (lambda: 0.0))
-        self._reset()
-        self.static = float((allocated or (lambda: torch.cuda.memory_allocated(device)))())
-        self.peaks: dict[str, float] = {}
-        self.reserved = 0.0  # the most the allocator reserved over the phases (the reset restarts its peak too)
-
-    def end(self, phase: str) -> None:
-        """End ``phase``: its peak is the allocator's since the last end (or since made)."""
-        if phase not in PHASES:
-            raise ValueError(f"phase: expected one of {', '.join(PHASES)}, got {phase!r}")
-        self.peaks[phase] = max(self.peaks.get(phase, 0.0), self._read() - self.static)
-        self.reserved = max(self.reserved, float(self._reserved()))
-        self._reset()
-
-    def finish(self) -> None:
-        """End the phase that was running, if any (a step that failed in it, out of memory say): the
-        first of :data:`PHASES` after the last one ended."""
-        ended = [i for i, p in enumerate(PHASES) if p in self.peaks]
-        following = PHASES[max(ended, default=-1) + 1:]
-        if following:
-            self.end(following[0])
-
-    def watch(self, hidden: torch.Tensor) -> None:
-        """End ``loss_backward`` when the gradient of ``hidden`` (the decoder's output, the loss's input)
-        is complete: the loss and the head are done and the layers' backward starts."""
-        def ended(grad: torch.Tensor) -> None:  # returns None: the gradient passes on unchanged
-            self.end("loss_backward")
-
-        if hidden.requires_grad:
-            hidden.register_hook(ended)
-
-    @property
-    def overall(self) -> float:
-        """The step's peak in bytes, static included."""
-        return self.static + max(self.peaks.values(), default=0.0)
-
 
 def measured_loss(model, ids: torch.Tensor, labels: torch.Tensor, mask, loss_chunk: int, impl: str = "auto",
                   peaks: PhasePeaks | None = None) -> torch.Tensor:

@@ -12,10 +12,14 @@ these rows have none), the GPU's peak memory and the model FLOP/s. From the repo
     python launch/examples/hf_long_context.py --trainer trl --documents 4       # TRL's SFTTrainer, 4 packed documents
     python launch/examples/hf_long_context.py --shape 8b --length 262144        # one 80 GB GPU: 8B shape, 256k
     python launch/examples/hf_long_context.py --model PATH --length 262144      # your checkpoint (a Llama-like causal LM)
+    python launch/examples/hf_long_context.py --shape 8b --length 262144 --device-gib 60 --host-gib 100   # planned
 
 ``--shape`` builds a randomly initialised Llama of that shape (``tiny``, ``1b``: Llama 3.2 1B, ``8b``:
 Llama 3.1 8B; 128,256-token vocabulary) so that no download is needed; ``--layers`` keeps fewer of its
 decoder layers (said in the output). Random token ids: the losses show the step runs, not learning.
+``--device-gib`` (a GPU): the memory plan (:func:`fm_parallel.longcontext.plan_long_context`, from one
+layer measured at two short lengths) chooses the checkpoints kept, offloaded and recomputed instead of
+``--offload-layers``.
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--attention-chunk", type=int, default=0, help="query rows per attention call (default 65536, CPU 512)")
     p.add_argument("--loss-chunk", type=int, default=0, help="tokens per loss chunk (default 4096, CPU 256)")
     p.add_argument("--offload-layers", type=int, default=-1, help="layers whose checkpoints live on the host (-1: all)")
+    p.add_argument("--device-gib", type=float, default=0.0,
+                   help="GPU memory for the step: the memory plan picks the layout (measured on one layer first)")
+    p.add_argument("--host-gib", type=float, default=100.0, help="host memory for checkpoints, with --device-gib")
     p.add_argument("--no-compile", action="store_true", help="on a GPU, run the tiled layers' per-token parts eagerly")
     args = p.parse_args(argv)
     for name in ("length", "documents", "steps"):
@@ -58,6 +65,8 @@ def parse(argv=None) -> argparse.Namespace:
         p.error(f"--documents: expected a divisor of --length {args.length}, got {args.documents}")
     if args.layers < 0:
         p.error(f"--layers: expected an int >= 0, got {args.layers}")
+    if args.device_gib < 0 or (args.device_gib and args.host_gib <= 0):
+        p.error(f"--device-gib / --host-gib: expected GiB > 0, got {args.device_gib} / {args.host_gib}")
     return args
 
 
@@ -104,7 +113,7 @@ class StepReport:
     def __init__(self, tokens: int, flops: float, cuda: bool, policy):
         from transformers import TrainerCallback
 
-        self.tokens, self.flops, self.cuda, self.policy, self.times = tokens, flops, cuda, policy, []
+        self.tokens, self.flops, self.cuda, self.policy, self.times, self.peaks = tokens, flops, cuda, policy, [], []
         report = self
 
         class _Callback(TrainerCallback):
@@ -120,7 +129,8 @@ class StepReport:
                     torch.cuda.synchronize()
                 seconds = time.perf_counter() - report.start
                 report.times.append(seconds)
-                peak = f", GPU peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if report.cuda else ""
+                report.peaks.append(torch.cuda.max_memory_allocated() if report.cuda else 0)
+                peak = f", GPU peak {report.peaks[-1] / 2**30:.1f} GiB" if report.cuda else ""
                 print(f"step {state.global_step}: {seconds:.1f} s, {report.tokens / seconds:,.0f} document tokens/s, "
                       f"{report.flops / seconds / 1e12:.1f} model TFLOP/s{peak}, "
                       f"{report.policy.host_bytes / 2**30:.2f} GiB of checkpoints on the host", flush=True)
@@ -133,7 +143,7 @@ def main(argv=None) -> dict:
     from peft import LoraConfig, get_peft_model
 
     from fm_parallel.integrations import transformers as fm_hf
-    from fm_parallel.longcontext import long_context
+    from fm_parallel.longcontext import long_context, measure_budget, plan_long_context
     from fm_parallel.trainer.flops import peak_tflops, step_flops
 
     cuda = torch.cuda.is_available()
@@ -142,10 +152,18 @@ def main(argv=None) -> dict:
     loss_chunk = args.loss_chunk or (4096 if cuda else 256)
     model = build_model(args, fm_hf.register(), cuda)
     config = model.config
-    policy = long_context(model, tile_chunk=tile, attention_chunk=attention_chunk, checkpoint_every=1,
-                          offload_layers=args.offload_layers if cuda else 0, compile=cuda and not args.no_compile,
-                          loss_chunk=loss_chunk)
+    components = dict(tile_chunk=tile, attention_chunk=attention_chunk, compile=cuda and not args.no_compile,
+                      loss_chunk=loss_chunk)
+    policy = long_context(model, offload_layers=args.offload_layers if cuda else 0, **components)
     lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)
+    plan = None
+    if args.device_gib and cuda:
+        short = min(args.length, 2 * max(tile, attention_chunk, loss_chunk))
+        budget = measure_budget(model, (short // 2, short))
+        plan = plan_long_context(model, args.length, budget, device_gib=args.device_gib, host_gib=args.host_gib)
+        print(f"memory plan for {args.device_gib:g} GiB of GPU and {args.host_gib:g} GiB of host memory: {plan}", flush=True)
+        policy = long_context(model, checkpoint_every=plan.every, offload_layers=plan.offload_layers, **components)
     size = args.length // args.documents
     pairs = args.documents * size * (size + 1) // 2  # causal documents: visible (query, key) pairs per head
     flops = step_flops(config, args.length, pairs, tiled=True).total
@@ -157,6 +175,7 @@ def main(argv=None) -> dict:
     layers = f"{config.num_hidden_layers} layers" + (" (--layers: fewer than the shape's)" if args.layers else "")
     where = torch.cuda.get_device_name() if cuda else "CPU"
     offloaded = "every layer's" if policy.offload_layers < 0 else f"{policy.offload_layers} layers'"
+    offloaded += f", a checkpoint every {policy.every} layer(s)"
     print(f"{args.trainer}: {args.model or args.shape} ({layers}), {args.length:,} tokens per step in "
           f"{args.documents} document(s), on {where}; tiles of {tile}, attention chunks of {attention_chunk}, "
           f"loss chunks of {loss_chunk}, {offloaded} checkpoint on the host", flush=True)
@@ -165,7 +184,7 @@ def main(argv=None) -> dict:
 
         from fm_parallel.integrations.collator import FlashMaskCollator
 
-        trainer = Trainer(model=get_peft_model(model, lora), args=TrainingArguments(**common), train_dataset=data,
+        trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=data,
                           data_collator=FlashMaskCollator(), callbacks=[report.callback])
     else:
         from datasets import Dataset
@@ -175,14 +194,17 @@ def main(argv=None) -> dict:
 
         trainer = SFTTrainer(model=model, args=SFTConfig(**common, padding_free=True, max_length=None),
                              processing_class=tiny_tokenizer(config.vocab_size), train_dataset=Dataset.from_list(data),
-                             peft_config=lora, callbacks=[report.callback])
+                             callbacks=[report.callback])
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     warm = min(report.times[1:], default=report.times[0])
     peak = peak_tflops(where) if cuda else None
     mfu = f", {flops / warm / 1e12 / peak:.0%} MFU of {peak:.0f} TFLOP/s" if peak else ""
+    planned = ""
+    if plan is not None:
+        planned = f"; plan {plan.device_bytes / 2**30:.1f} GiB, measured peak {max(report.peaks) / 2**30:.1f} GiB"
     print(f"summary: losses {', '.join(f'{x:.4f}' for x in losses)}; fastest step {warm:.1f} s, "
-          f"{args.length / warm:,.0f} document tokens/s{mfu}")
+          f"{args.length / warm:,.0f} document tokens/s{mfu}{planned}")
     return {"losses": losses, "times": report.times}
 
 
