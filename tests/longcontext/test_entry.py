@@ -109,7 +109,7 @@ def test_what_the_components_cannot_do_is_one_clear_error():
         long_context(torch.nn.Linear(2, 2))
 
 
-def _cp_losses(cp_degree, tiled: bool, loss_chunk: int = 0, head_rows: list | None = None) -> list[float]:
+def _cp_losses(cp_degree, tiled: bool, loss_chunk: int = 0, head_rows: list | None = None, mode: str = "ring") -> list[float]:
     """Per-step losses of LoRA on packed documents (``DataCollatorWithFlattening``); ``cp_degree`` None:
     the plain Trainer in one process; ``tiled``: the components applied; ``head_rows``: gets the most
     positions the LM head saw at once."""
@@ -124,7 +124,7 @@ def _cp_losses(cp_degree, tiled: bool, loss_chunk: int = 0, head_rows: list | No
         long_context(model, tile_chunk=8, attention_chunk=16, checkpoint_every=2, loss_chunk=loss_chunk)
     rows = _HeadRows(model.get_base_model())
     common = dict(model=model, args=_args(2), train_dataset=_examples(12), data_collator=DataCollatorWithFlattening())
-    trainer = Trainer(**common) if cp_degree is None else context_parallel(Trainer)(**common, cp=ContextParallelConfig(degree=cp_degree))
+    trainer = Trainer(**common) if cp_degree is None else context_parallel(Trainer)(**common, cp=ContextParallelConfig(degree=cp_degree, mode=mode))
     trainer.train()
     if head_rows is not None:
         head_rows.append(rows.most)
@@ -142,13 +142,14 @@ def _cp_case(rank, world):
     tiling.TiledLayer.apply = staticmethod(lambda *a: (calls.append(1), apply(*a))[1])  # the tiled layers did run
     tiled = {"losses": _cp_losses(2, tiled=True), "tiled_calls": len(calls)}
     head_rows = []
-    return {**tiled, "chunked_loss": _cp_losses(2, tiled=True, loss_chunk=3, head_rows=head_rows), "head_rows": head_rows}
+    return {**tiled, "chunked_loss": _cp_losses(2, tiled=True, loss_chunk=3, head_rows=head_rows), "head_rows": head_rows,
+            "ulysses": _cp_losses(2, tiled=True, loss_chunk=3, mode="ulysses")}
 
 
 def test_the_components_under_cp_train_as_one_plain_process():
     """``context_parallel(Trainer)`` on 2 gloo ranks (ring), the components applied (and again with
-    the chunked loss, the wrapper then asking the model for its shard's loss): one process's plain
-    per-step losses."""
+    the chunked loss, the wrapper then asking the model for its shard's loss; and under Ulysses): one
+    process's plain per-step losses."""
     import os
 
     from tests.distributed.spawn import run_cases
@@ -161,6 +162,7 @@ def test_the_components_under_cp_train_as_one_plain_process():
         assert len(res["losses"]) == 3 and res["losses"] == pytest.approx(want, rel=1e-5, abs=1e-5), (res, want)
         assert res["tiled_calls"] >= 3 * 2  # 3 steps x 2 layers, at least
         assert res["head_rows"] == [3]  # the chunked loss ran (the logits' path would give the head a whole shard)
+        assert len(res["ulysses"]) == 3 and res["ulysses"] == pytest.approx(want, rel=1e-5, abs=1e-5), (res, want)
         assert len(res["chunked_loss"]) == 3 and res["chunked_loss"] == pytest.approx(want, rel=1e-5, abs=1e-5), (res, want)
 
 
@@ -294,3 +296,40 @@ def test_the_chunked_loss_refuses_models_it_would_get_wrong():
                                          r"LlamaForCausalLM with \{'final_logit_softcapping': 30.0\}"):
         long_context(capped, loss_chunk=8, tile_chunk=16)
     assert capped.forward == forward and type(capped.model.layers[0]).__name__ == "LlamaDecoderLayer"  # left as it was
+
+
+def test_the_components_under_the_dpo_trainer_train_as_the_plain_model():
+    """``FlashMaskDPOTrainer`` (shared-prompt rows, LoRA; the reference is the adapter disabled) with
+    tiled layers over attention chunks that cut the prompt from its responses: TRL's six metrics and
+    the losses of the plain model, step by step."""
+    pytest.importorskip("datasets")
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from fm_parallel.integrations import transformers as fm_hf
+    from fm_parallel.integrations.dpo import FlashMaskDPOTrainer
+    from fm_parallel.longcontext import long_context
+    from tests.integrations.test_dpo import common_args, logged, lora, pairs
+
+    def train(tiled: bool):
+        base = tiny_llama(fm_hf.register())
+        if tiled:
+            long_context(base, tile_chunk=4, attention_chunk=8, checkpoint_every=2)
+        trainer = FlashMaskDPOTrainer(model=lora(base), args=TrainingArguments(**common_args()), beta=0.1,
+                                      train_dataset=Dataset.from_list(pairs()))
+        trainer.train()
+        return logged(trainer)
+
+    from fm_parallel.longcontext import tiling
+
+    calls, apply = [], tiling.TiledLayer.apply
+    tiling.TiledLayer.apply = staticmethod(lambda *a: (calls.append(1), apply(*a))[1])
+    try:
+        got = train(True)
+    finally:
+        tiling.TiledLayer.apply = apply
+    want = train(False)
+    assert len(got) == 3 and len(calls) >= 3 * 2  # the tiled layers ran: 3 steps x 2 layers, at least
+    for g, w in zip(got, want):
+        for key in w:
+            assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-6), (key, got, want)
