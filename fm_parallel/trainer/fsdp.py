@@ -22,13 +22,15 @@ gradients and AdamW state on the host (``CPUOffloadPolicy``), the optimizer step
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from fm_parallel.trainer.config import Config
 from fm_parallel.longcontext.memory import decoder_layers
 
-__all__ = ["ShardedModel", "shard_full_model", "in_root"]
+__all__ = ["ShardedModel", "shard_full_model", "in_root", "reference_model"]
 
 
 class ShardedModel(nn.Module):
@@ -47,11 +49,14 @@ class ShardedModel(nn.Module):
         return fn(*args, **kwargs)
 
 
-def shard_full_model(base: nn.Module, cfg: Config, device: torch.device) -> ShardedModel:
+def shard_full_model(base: nn.Module, cfg: Config, device: torch.device, reference: nn.Module | None = None) -> ShardedModel:
     """``base`` with every parameter trainable, sharded by FSDP2 over the default process group (all
     ranks, one flat mesh dimension): one unit per decoder layer, then the root (:class:`ShardedModel`).
     Call after the layers are tiled / checkpointed (their forwards are wrapped in place, and FSDP's
-    hooks run around them) and before the optimizer is built (it must see the sharded parameters)."""
+    hooks run around them) and before the optimizer is built (it must see the sharded parameters).
+    ``reference``: a frozen copy of the initial model (DPO's), sharded alike, no gradients, kept
+    beside the root (:func:`reference_model`) and outside its modules, so that neither the optimizer,
+    the checkpoints nor the export see it (a resumed run rebuilds it from the initial weights)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -67,6 +72,13 @@ def shard_full_model(base: nn.Module, cfg: Config, device: torch.device) -> Shar
         fully_shard(layer, **options)
     model = ShardedModel(base)
     fully_shard(model, **options)
+    if reference is not None:
+        reference.requires_grad_(False)
+        for layer in decoder_layers(reference):
+            fully_shard(layer, **options)
+        frozen = ShardedModel(reference)
+        fully_shard(frozen, **options)
+        model.__dict__["reference"] = frozen  # not a submodule: not trained, saved or exported
     gloo = dist.get_backend() == "gloo"
     for module in model.modules():  # the objectives normalise by the whole step: gradients are summed
         if hasattr(module, "set_gradient_divide_factor"):
@@ -74,6 +86,22 @@ def shard_full_model(base: nn.Module, cfg: Config, device: torch.device) -> Shar
             if gloo:  # gloo has no PREMUL_SUM / AVG (NCCL's fused scaling): plain sums, scaled after
                 module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+@contextlib.contextmanager
+def reference_model(model):
+    """The frozen reference of a preference objective: a sharded model's copy of its initial weights
+    (built with ``reference=``), or a LoRA model with its adapter disabled (the base). Run it with
+    :func:`in_root`."""
+    if isinstance(model, ShardedModel):
+        reference = model.__dict__.get("reference")
+        if reference is None:
+            raise ValueError("model: expected a sharded model built with its reference (build_model(reference=True)), "
+                             "got one without")
+        yield reference
+    else:
+        with model.disable_adapter():
+            yield model
 
 
 def in_root(model, fn, *args, **kwargs):

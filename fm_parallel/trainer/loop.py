@@ -82,13 +82,14 @@ def _train(cfg: Config, stopped) -> dict:
         if not cfg.output.resume:
             (out_dir / runs.RUN_FILE).write_text(json.dumps(cfg.to_dict(), indent=1))
     fresh = rank == 0 and not cfg.output.resume
-    model = build_model(cfg, tokenizer.vocab_size, device, head=make_objective(cfg).HEAD,
+    objective = make_objective(cfg)
+    model = build_model(cfg, tokenizer.vocab_size, device, head=objective.HEAD, reference=objective.REFERENCE,
                         save_base=(lambda base: save_base_model(base, out_dir / "base_model")) if fresh else None)
     if compiles(cfg, device):
         say(f"model.compile = {cfg.model.compile}: the tiled layers' per-token parts run through torch.compile "
             "(the first step includes compiling them)")
     params, optim = build_optimizer(model, cfg)
-    rows_per_step, objective = lay.dp * cfg.training.grad_accum, make_objective(cfg)
+    rows_per_step = lay.dp * cfg.training.grad_accum
     stream = held.train_stream(objective.rows(tokenizer, window=held.train_window))
     start, rows_done, interrupted = checkpoint.resume(cfg, model, optim, rows_per_step, stream, stopped, say)
     if interrupted:

@@ -9,6 +9,7 @@ states on a batch with FlashMask attention or the SDPA / FlexAttention baselines
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -113,14 +114,17 @@ def lora_in_input_dtype(model) -> int:
 HEADS = ("lm", "score")
 
 
-def build_model(cfg: Config, vocab_size: int, device, save_base=None, head: str = "lm"):
+def build_model(cfg: Config, vocab_size: int, device, save_base=None, head: str = "lm", reference: bool = False):
     """The peft LoRA model, or with ``model.finetune = "full"`` the whole model sharded by FSDP2 (a
     :class:`~fm_parallel.trainer.fsdp.ShardedModel`; needs the process group). ``save_base(base)``: called with a model built from the config (no
     ``model.path``) before LoRA is injected, so the run can save its random base weights once and
     its adapters load on a fresh copy (rank 0 of a new run: ``export.save_base_model``). ``head``: the
     objective's (``Objective.HEAD``): ``"lm"`` a causal LM; ``"score"`` a sequence classifier with one
     output (``AutoModelForSequenceClassification(num_labels=1)``, a reward model), whose ``score`` head
-    peft trains in full beside the adapters (``task_type="SEQ_CLS"``)."""
+    peft trains in full beside the adapters (``task_type="SEQ_CLS"``). ``reference``: the objective
+    compares with a frozen reference model (DPO); with ``full`` a copy of the initial weights is
+    built beside the trained one (:func:`~fm_parallel.trainer.fsdp.reference_model`; LoRA's reference
+    is the base with the adapter disabled)."""
     from peft import LoraConfig, get_peft_model
     from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM,
                               LlamaForSequenceClassification)
@@ -148,6 +152,10 @@ def build_model(cfg: Config, vocab_size: int, device, save_base=None, head: str 
     base.to(device)
     if save_base is not None and not cfg.model.path and cfg.model.finetune != "full":  # full: the export is the model
         save_base(base)
+    # The reference is copied before the components wrap the layers (their wrappers are closures over
+    # the original modules, which a deep copy would share). It runs without gradients, where tiles and
+    # checkpoints do nothing.
+    frozen = copy.deepcopy(base) if reference and cfg.model.finetune == "full" else None
     m = cfg.model
     if not m.activation_checkpointing and m.offload_layers:
         raise ConfigError(f"model.offload_layers: expected 0 without activation checkpointing, got {m.offload_layers}")
@@ -163,7 +171,7 @@ def build_model(cfg: Config, vocab_size: int, device, save_base=None, head: str 
     if cfg.model.finetune == "full":  # every weight, sharded over the world (fm_parallel/trainer/fsdp.py)
         from fm_parallel.trainer.fsdp import shard_full_model
 
-        model = shard_full_model(base, cfg, device)
+        model = shard_full_model(base, cfg, device, reference=frozen)
         model.train()
         model.checkpoint_policy = policy
         return model

@@ -21,6 +21,7 @@ from fm_parallel.logprobs import at_least_float32, response_sums, token_logps
 from fm_parallel.preference import bradley_terry_loss, dpo_loss
 from fm_parallel.trainer.config import Config, ConfigError
 from fm_parallel.trainer.data import Row, check_dpo_sample, dpo_rows, rm_rows, rm_sample, sft_rows
+from fm_parallel.trainer.fsdp import in_root, reference_model
 from fm_parallel.trainer.model import hidden_states
 from fm_parallel.trainer.sources import validate_records
 from fm_parallel.longcontext.loss import chunked_cross_entropy
@@ -41,6 +42,8 @@ class Objective:
     HEAD = "lm"
     # Why this objective cannot train every weight (model.finetune = "full"), or "" when it can.
     NOT_FULL = ""
+    # Whether the loss compares with a frozen reference model (built beside a full-parameter model).
+    REFERENCE = False
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -133,10 +136,11 @@ class SFT(Objective):
 
 class DPO(Objective):
     """DPO on packed preference samples (shared prompt or TRL's layout, ``data.dpo_layout``); the
-    reference model is the base with the adapter disabled. Summed over samples."""
+    reference model is the base with the adapter disabled (LoRA) or a frozen copy of the initial
+    weights (full). Summed over samples."""
 
     name = "dpo"
-    NOT_FULL = "its reference is the base with the adapter disabled; a frozen reference copy is not built yet"
+    REFERENCE = True
 
     def rows(self, tokenizer, passes=None, window=(0, None)):
         d = self.cfg.data
@@ -165,8 +169,8 @@ class DPO(Objective):
         """``(policy, reference)``, each ``[samples, 2]``: the whole row's summed log-probabilities of each
         sample's chosen and rejected responses (summed over the CP ranks, the same on each)."""
         policy = self.response_logps(model, batch)
-        with torch.no_grad(), model.disable_adapter():
-            reference = self.response_logps(model, batch)
+        with torch.no_grad(), reference_model(model) as frozen:
+            reference = in_root(frozen, self.response_logps, frozen, batch)
         return layout.cp_sum(policy), layout.cp_sum(reference)
 
     def loss(self, model, batch, layout):

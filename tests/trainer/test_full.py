@@ -8,7 +8,7 @@ with a float64 tiny Llama:
 - a run stopped after 2 steps on 4 ranks resumes on 2 and gives the uninterrupted run's next losses;
 - the exported folder loads with ``AutoModelForCausalLM.from_pretrained`` and reproduces the last
   logged eval loss;
-- what full training does not do yet is refused by name (DPO, the memory plan, k-layer checkpoints).
+- what full training does not do yet is refused by name (the memory plan, k-layer checkpoints).
 """
 
 import json
@@ -149,7 +149,6 @@ def test_the_export_loads_with_from_pretrained_and_gives_the_last_eval_loss(runs
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--data.objective", "dpo"], "model.finetune: expected 'lora' with data.objective 'dpo'"),
     (["--model.memory_plan", "auto"], "model.memory_plan: expected 'fixed' with model.finetune = 'full'"),
     (["--model.checkpoint_every", "2"], "model.checkpoint_every: expected 1 with model.finetune = 'full'"),
     (["--model.finetune", "lora", "--model.offload_optimizer", "true"], "model.offload_optimizer: expected model.finetune = 'full'"),
