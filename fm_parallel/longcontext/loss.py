@@ -93,13 +93,15 @@ def chunked_lm_loss(model, chunk: int) -> None:
             return original(*args, **kwargs, **extra)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        kwargs.pop("logits_to_keep", None)
-        kwargs.pop("ignore_index", None)
+        kwargs.pop("logits_to_keep", None)  # the loss needs every position's hidden state
+        ignore = kwargs.pop("ignore_index", -100)
         out = self.base_model(*args, **kwargs)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         if shift_labels is None:
-            shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]  # HF's shift: position i predicts i + 1
+            shift_labels = F.pad(labels, (0, 1), value=ignore)[..., 1:]  # HF's shift: position i predicts i + 1
         targets = shift_labels.to(hidden.device)
+        if ignore != -100:  # HF's ignore_index: the chunked loss skips -100 (no token id is negative)
+            targets = targets.masked_fill(targets == ignore, -100)
         total = chunked_cross_entropy(self.get_output_embeddings(), hidden, targets, self._fm_loss_chunk)
         if num_items_in_batch is not None:
             loss = total / (num_items_in_batch.to(total.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)

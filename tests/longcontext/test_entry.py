@@ -268,6 +268,11 @@ def test_the_chunked_loss_is_hfs_loss_and_leaves_generation_alone():
         torch.testing.assert_close(got.loss, plain(ids, **kwargs).loss.double(), rtol=2e-7, atol=0)
         torch.testing.assert_close(got.loss, reference(ids, **kwargs).loss, rtol=1e-12, atol=0)
     assert ours(ids, shift_labels=shifted).loss is None  # as HF's: shift_labels without labels is no loss
+    other = labels.masked_fill(labels == -100, 127)  # HF's ignore_index keyword: 127 ignored instead
+    torch.testing.assert_close(ours(ids, labels=other, ignore_index=127).loss, reference(ids, labels=labels).loss,
+                               rtol=1e-12, atol=0)
+    torch.testing.assert_close(plain(ids, labels=other, ignore_index=127).loss.double(), reference(ids, labels=labels).loss,
+                               rtol=2e-7, atol=0)
     # No labels: the model's own forward (logits), and generate() as before.
     torch.testing.assert_close(ours(ids).logits, plain(ids).logits, rtol=0, atol=0)
     plain.config.use_cache = ours.config.use_cache = True
