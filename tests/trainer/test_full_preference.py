@@ -1,12 +1,18 @@
-"""Full-parameter DPO in the trainer (``model.finetune = "full"``, ``data.objective = "dpo"``): the
-reference is a frozen copy of the initial weights, sharded beside the trained model (float64 tiny
-Llama, gloo):
+"""Full-parameter preference objectives in the trainer (``model.finetune = "full"``), float64 tiny
+Llama, gloo.
+
+DPO (``data.objective = "dpo"``): the reference is a frozen copy of the initial weights, sharded
+beside the trained model:
 
 - the first steps' loss is log 2 (policy = reference) and the loss then moves;
 - ring and Ulysses on 2 ranks give one process's per-step losses and DPO metrics (1e-10);
 - a run stopped after 2 steps on 2 ranks resumes in one process with the uninterrupted losses: the
   reference is rebuilt from the initial weights, not from the checkpoint (which holds the trained
   ones); the checkpoint and the export hold the trained model only.
+
+A reward model (``data.objective = "rm"``, every weight and the score head): ring 2 gives one
+process's losses and metrics (1e-10), and the export loads with
+``AutoModelForSequenceClassification.from_pretrained`` (one label, float64, the trained score head).
 """
 
 import json
@@ -22,8 +28,12 @@ from tests.trainer.test_full import TINY
 pytest.importorskip("transformers")
 
 DPO = TINY + ["--data.objective", "dpo", "--training.steps", "5", "--output.checkpoint_every", "2"]
-RUNS = {"ring2": (2, ["--parallel.cp", "ring"]), "ulysses2": (2, ["--parallel.cp", "ulysses", "--parallel.balance", "contiguous"]),
-        "stop": (2, ["--parallel.cp", "ring", "--output.stop_after", "2"])}
+RM = TINY + ["--data.objective", "rm"]
+RUNS = {"ring2": (2, DPO + ["--parallel.cp", "ring"]),
+        "ulysses2": (2, DPO + ["--parallel.cp", "ulysses", "--parallel.balance", "contiguous"]),
+        "stop": (2, DPO + ["--parallel.cp", "ring", "--output.stop_after", "2"]),
+        "rm_ring2": (2, RM + ["--parallel.cp", "ring"])}
+RM_KEYS = ("loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected")
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 
 
@@ -41,11 +51,13 @@ def _steps(out):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("full_dpo")
-    results = run_cases(2, {name: (_train, (DPO + extra, str(tmp / ("resumed" if name == "stop" else name))))
-                            for name, (_, extra) in RUNS.items()}, timeout=600)
+    results = run_cases(2, {name: (_train, (argv, str(tmp / ("resumed" if name == "stop" else name))))
+                            for name, (_, argv) in RUNS.items()}, timeout=600)
     results.update(run_cases(1, {"single": (_train, (DPO + ["--parallel.cp", "none"], str(tmp / "single"))),
                                  "go_on": (_train, (DPO + ["--parallel.cp", "none", "--output.resume", "true"],
-                                                    str(tmp / "resumed")))}, timeout=600))
+                                                    str(tmp / "resumed"))),
+                                 "rm_single": (_train, (RM + ["--parallel.cp", "none"], str(tmp / "rm_single")))},
+                             timeout=600))
     for name, res in results.items():
         assert all("exception" not in r for r in res), (name, [r.get("traceback") for r in res])
     return tmp
@@ -79,3 +91,20 @@ def test_a_resumed_full_dpo_run_keeps_the_initial_reference(runs):
 
     weights = load_file(str(runs / "single" / "model" / "model.safetensors"))
     assert weights and not any("reference" in k for k in weights)
+
+
+def test_a_full_reward_model_on_2_ranks_gives_one_process_steps_and_loads(runs):
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    got, want = _steps(runs / "rm_ring2"), _steps(runs / "rm_single")
+    assert len(got) == len(want) == 4 and want[-1]["loss"] != want[0]["loss"]
+    for g, w in zip(got, want):
+        for key in RM_KEYS:
+            assert g[key] == pytest.approx(w[key], rel=1e-10, abs=1e-10), (key, g, w)
+    model = AutoModelForSequenceClassification.from_pretrained(str(runs / "rm_ring2" / "model"))
+    assert model.config.num_labels == 1 and model.dtype == torch.float64
+    from safetensors.torch import load_file
+
+    saved = load_file(str(runs / "rm_ring2" / "model" / "model.safetensors"))
+    assert torch.equal(model.score.weight, saved["score.weight"])
