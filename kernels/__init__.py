@@ -1,9 +1,10 @@
 """GPU kernels, installed as ``fm_parallel.kernels`` (never as a top-level ``kernels`` package).
 
-Each backend is a module here exposing ``attention(q, k, v, mask, positions, scale) -> (out, lse)``;
-``fm_parallel.attention`` looks them up by name (``impl="triton"`` imports
-``fm_parallel.kernels.triton``). A backend that is absent makes an explicit ``impl`` raise a clear
-error and makes ``impl="auto"`` use the PyTorch path.
+Each backend is a module here (``triton_flashmask``, ``cute_flashmask``) exposing ``forward``,
+``backward`` and ``attention(q, k, v, mask, positions, scale, ...) -> (out, lse)``, registered by name
+in ``fm_parallel/backends.py`` (``impl="triton"`` imports ``fm_parallel.kernels.triton_flashmask``) and
+imported on first use. A backend that cannot load makes an explicit ``impl`` raise a clear error; under
+``impl="auto"`` the next backend runs (said once when the backend is installed but broken).
 
 Why the guard below: this folder is the source of ``fm_parallel.kernels`` (``[tool.setuptools.package-dir]``),
 and it sits at the project root. Whenever the root is on ``sys.path`` (pytest, ``python -c`` or a
