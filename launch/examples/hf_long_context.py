@@ -158,6 +158,8 @@ def main(argv=None) -> dict:
     lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
     model = get_peft_model(model, lora)
     plan = None
+    if args.device_gib and not cuda:
+        print("--device-gib: the memory plan measures on a GPU; on the CPU the checkpoints stay where they are", flush=True)
     if args.device_gib and cuda:
         short = min(args.length, 2 * max(tile, attention_chunk, loss_chunk))
         budget = measure_budget(model, (short // 2, short))
