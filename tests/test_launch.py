@@ -273,9 +273,9 @@ def test_trainer_attention_benchmark_runs_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((tmp_path / "trainer_h200.json").read_text())["rows"]
     assert [(r["attention"], r["fits"]) for r in rows] == [("flashmask", True), ("sdpa", True)], rows
-    for r in rows:  # tokens/s is total tokens over total timed time, and the spread is reported
+    for r in rows:  # tokens/s is trained tokens over total timed time (these rows are full), and the spread is reported
         assert r["timed_steps"] == 3 and r["step_s_min"] <= r["step_s"] <= r["step_s_max"]
-        assert r["tokens_per_s"] == pytest.approx(512 * 3 / sum(r["timed_step_s"]))
+        assert r["padding_tokens"] == 0 and r["tokens_per_s"] == pytest.approx(512 * 3 / sum(r["timed_step_s"]))
     # The same training run, attention computed two ways: the same losses.
     assert rows[0]["losses"] == pytest.approx(rows[1]["losses"], rel=1e-4)
 
@@ -311,6 +311,10 @@ def test_trainer_attention_dpo_layouts_run_on_the_cpu(tmp_path):
     assert sum(shared["samples_per_step"]) > sum(separate["samples_per_step"]) > 0
     assert all(r["samples_per_s"] > 0 and r["sample_tokens_per_s"] > 0 for r in rows)
     assert "flashmask/shared speed-up" in (tmp_path / "dpo.md").read_text()
+    # DPO rows end in padding (a sample is never cut): tokens/s counts the trained tokens only.
+    for r in rows:
+        assert r["padding_tokens"] > 0, r
+        assert r["tokens_per_s"] == pytest.approx((2048 * 2 - r["padding_tokens"]) / sum(r["timed_step_s"]))
 
 
 def test_trainer_attention_dpo_samples_of_exact_sizes(tmp_path):

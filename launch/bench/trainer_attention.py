@@ -14,7 +14,7 @@ activation checkpointing, sequence-tiled layers, chunked loss. Only the attentio
 flashmask (our kernel, O(N) mask), sdpa (an N x N boolean mask, which is what SDPA needs for packed
 documents) or flex (a BlockMask built from the same mask). The first step (compilation, autotuning)
 is not timed; then ``--timed-steps`` steps (8 by default) run on the same rows for every attention (the
-data stream is deterministic), and tokens/s is their total tokens over their total time (not a mean of
+data stream is deterministic), and tokens/s is their trained tokens (a row's padding left out) over their total time (not a mean of
 per-step rates, which weighs short steps up); step times are reported as min / median / max. Runs share
 one process, so a run that does not fit is reported and the next one goes on. A row whose mask needs a
 kernel no earlier row needed compiles it inside a timed step (at 64k the first one-document row compiled
@@ -112,7 +112,9 @@ def one_run(shape: str, attention: str, n: int, args, work: Path, layout: str | 
         if len(timed) != args.timed_steps:
             raise RuntimeError(f"expected {args.timed_steps} timed steps, the run logged {len(timed)}")
         times = [r["step_s"] for r in timed]
-        row.update(fits=True, tokens_per_s=n * len(timed) / sum(times), step_s=statistics.median(times),
+        trained = sum(n - r.get("padding_tokens", 0) for r in timed)  # tokens trained on: a row's padding is not
+        row.update(fits=True, tokens_per_s=trained / sum(times), padding_tokens=n * len(timed) - trained,
+                   step_s=statistics.median(times),
                    step_s_min=min(times), step_s_max=max(times), timed_steps=len(timed), timed_step_s=times, first_step_s=records[0]["step_s"],
                    losses=[r["loss"] for r in records], peak_gib=max((r.get("peak_gib", 0.0) for r in records), default=0.0))
         if layout is not None:
@@ -141,7 +143,7 @@ def write(rows: list[dict], args) -> None:
     rate = "samples_per_s" if dpo else "tokens_per_s"
     ours = {(r["shape"], r["seq_len"]): r for r in rows if r["attention"] == ours_name and r["fits"]}
     extra = " samples/s | sample tokens/s |" if dpo else ""
-    lines = [f"| model | seq_len | attention | tokens/s (total / time) |{extra} step s min / median / max | first step s | "
+    lines = [f"| model | seq_len | attention | tokens/s (trained tokens / time, no padding) |{extra} step s min / median / max | first step s | "
              f"peak GiB | {ours_name} speed-up |", "|---|---|---|---|" + ("---|---|" if dpo else "") + "---|---|---|---|"]
     for r in rows:
         if not r["fits"]:
