@@ -66,6 +66,9 @@ def check_chunked_lm_loss(model, chunk: int) -> None:
     if transforms:
         raise ValueError(f"loss_chunk: expected a model whose logits are its head's output, got {type(model).__name__} "
                          f"with {transforms}; use loss_chunk=0 (the model's own loss)")
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(f"loss_chunk: expected a model without a router's auxiliary loss in its own, got "
+                         f"{type(model).__name__} with output_router_logits=True; use loss_chunk=0 (the model's own loss)")
 
 
 def chunked_lm_loss(model, chunk: int) -> None:
@@ -93,6 +96,9 @@ def chunked_lm_loss(model, chunk: int) -> None:
             return original(*args, **kwargs, **extra)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
+        if kwargs.get("output_router_logits"):  # HF adds the router's auxiliary loss to its own: not here
+            raise ValueError("output_router_logits: expected False with long_context(loss_chunk=...) (the chunked loss "
+                             "has no router auxiliary loss), got True")
         kwargs.pop("logits_to_keep", None)  # the loss needs every position's hidden state
         ignore = kwargs.pop("ignore_index", -100)
         out = self.base_model(*args, **kwargs)

@@ -301,6 +301,14 @@ def test_the_chunked_loss_refuses_models_it_would_get_wrong():
                                          r"LlamaForCausalLM with \{'final_logit_softcapping': 30.0\}"):
         long_context(capped, loss_chunk=8, tile_chunk=16)
     assert capped.forward == forward and type(capped.model.layers[0]).__name__ == "LlamaDecoderLayer"  # left as it was
+    routed = tiny_llama(fm_hf.register())
+    routed.config.output_router_logits = True  # a mixture of experts adds its router's loss to HF's loss
+    with pytest.raises(ValueError, match=r"loss_chunk: expected a model without a router's auxiliary loss"):
+        long_context(routed, loss_chunk=8)
+    ours = tiny_llama(fm_hf.register())
+    long_context(ours, loss_chunk=8, checkpointing=False)
+    with pytest.raises(ValueError, match=r"output_router_logits: expected False with long_context\(loss_chunk=...\)"):
+        ours(torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 4, dtype=torch.long), output_router_logits=True)
 
 
 def test_the_components_under_the_dpo_trainer_train_as_the_plain_model():
