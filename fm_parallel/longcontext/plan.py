@@ -98,13 +98,14 @@ class PhasePeaks:
 
 def static_bytes(model, optimizer_states: int = 2) -> int:
     """Bytes a training step holds before it starts: every parameter of ``model`` (a Hugging Face
-    model or its peft wrapper), and for each trainable one its gradient and ``optimizer_states``
-    tensors of its size (AdamW: 2)."""
+    model or its peft wrapper; of a sharded one, this rank's shards), and for each trainable one its
+    gradient and ``optimizer_states`` tensors of its size (AdamW: 2)."""
     if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) or optimizer_states < 0:
         raise ValueError(f"optimizer_states: expected an int >= 0, got {optimizer_states!r}")
     total = 0
     for p in model.parameters():
-        size = p.numel() * p.element_size()
+        local = p.to_local() if hasattr(p, "to_local") else p  # a sharded (DTensor) parameter: this rank's part
+        size = local.numel() * local.element_size()
         total += size * (1 + (1 + optimizer_states if p.requires_grad else 0))
     return total
 
