@@ -102,7 +102,7 @@ HF_CP_ONE = "python launch/examples/hf_trainer_cp.py --cp-degree 1 --steps 3"
 HF_LONG = "python launch/examples/hf_long_context.py"
 TRL_CP_ONE = "python launch/examples/trl_sft_cp.py --cp-degree 1 --steps 3"
 CP_LINES = [("hf_trainer_cp.py", ""), ("hf_trainer_cp.py", " --cp-mode ulysses"), ("hf_trainer_cp.py", " --dpo"),
-            ("trl_sft_cp.py", ""), ("trl_sft_cp.py", " --cp-mode ulysses")]  # issue 34's torchrun lines (the test's CASES)
+            ("trl_sft_cp.py", ""), ("trl_sft_cp.py", " --cp-mode ulysses"), ("hf_trainer_cp.py", " --zero 3")]  # issue 34's torchrun lines (the test's CASES)
 
 
 def _cp_line(script: str, extra: str) -> str:

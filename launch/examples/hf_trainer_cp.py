@@ -10,9 +10,12 @@ losses. From the repository root::
     torchrun --standalone --nproc_per_node 2 launch/examples/hf_trainer_cp.py --cp-degree 2 --steps 3
     torchrun --standalone --nproc_per_node 2 launch/examples/hf_trainer_cp.py --cp-degree 2 --steps 3 --cp-mode ulysses
     torchrun --standalone --nproc_per_node 2 launch/examples/hf_trainer_cp.py --cp-degree 2 --steps 3 --dpo
+    torchrun --standalone --nproc_per_node 2 launch/examples/hf_trainer_cp.py --cp-degree 2 --steps 3 --zero 3
 
 ``--nproc_per_node`` a multiple of ``--cp-degree``: the rest is data parallelism across CP groups.
-On CPUs the ranks talk over gloo; with GPUs (one per rank) over NCCL.
+On CPUs the ranks talk over gloo; with GPUs (one per rank) over NCCL. ``--zero 1|2|3``: the
+Trainer's DeepSpeed engine (ZeRO stage 1-3; the ``deepspeed`` extra) partitions the trained weights,
+gradients and optimizer state over every rank while the CP groups shard each row (under torchrun).
 """
 
 from __future__ import annotations
@@ -87,7 +90,26 @@ def parse(argv=None, description: str = __doc__):
     parser.add_argument("--balance", choices=["contiguous", "zigzag", "mask"], default="contiguous")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--dpo", action="store_true", help="shared-prompt DPO pairs (FlashMaskDPOTrainer)")
-    return parser.parse_args(argv)
+    parser.add_argument("--zero", type=int, choices=[1, 2, 3], default=None,
+                        help="DeepSpeed ZeRO stage for the Trainer's engine (under torchrun)")
+    args = parser.parse_args(argv)
+    if args.zero is not None and "LOCAL_RANK" not in os.environ:
+        parser.error("--zero: expected a launch by torchrun (DeepSpeed's engine joins its process group), got one process")
+    return args
+
+
+def deepspeed_config(stage: int | None, batch: int) -> dict:
+    """``TrainingArguments(deepspeed=...)`` for ZeRO ``stage`` (None: {}, no DeepSpeed). On CPUs the
+    process group is DeepSpeed's over gloo, made here (accelerate makes it only on GPUs)."""
+    if stage is None:
+        return {}
+    import deepspeed
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/fm_parallel/torch_extensions"))
+        deepspeed.init_distributed(dist_backend="gloo")
+    return {"deepspeed": {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
+                          "zero_optimization": {"stage": stage}, "bf16": {"enabled": False}}}
 
 
 def training_args(cls, steps: int, batch: int, **extra):
@@ -108,7 +130,8 @@ def dpo_trainer(args, cp):
     model = lora(tiny_llama(args.model))
     vocab = model.get_base_model().config.vocab_size
     return context_parallel(FlashMaskDPOTrainer)(model=model, beta=0.1, train_dataset=pairs(vocab=vocab), cp=cp,
-                                                 args=training_args(TrainingArguments, args.steps, 2),
+                                                 args=training_args(TrainingArguments, args.steps, 2,
+                                                                    **deepspeed_config(args.zero, 2)),
                                                  callbacks=[PrintLoss()])
 
 
@@ -124,7 +147,8 @@ def main(argv=None) -> list[float]:
     else:
         model = lora(tiny_llama(args.model))
         vocab = model.get_base_model().config.vocab_size
-        trainer = context_parallel(Trainer)(model=model, args=training_args(TrainingArguments, args.steps, 3),
+        trainer = context_parallel(Trainer)(model=model, args=training_args(TrainingArguments, args.steps, 3,
+                                                                             **deepspeed_config(args.zero, 3)),
                                             train_dataset=documents(vocab=vocab), data_collator=DataCollatorWithFlattening(),
                                             cp=cp, callbacks=[PrintLoss()])
     trainer.train()
