@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from fm_parallel.trainer.config import Config, ConfigError, model_dtype, processes_on_this_host
-from fm_parallel.longcontext.plan import PHASES, PhasePeaks
+from fm_parallel.longcontext.plan import PHASES, PhasePeaks, dropped_gradient_input
 from fm_parallel.longcontext.memory import (GIB, MemoryPlan, MemoryPlanError, StepBudget, gpu_memory_budget,
                                        held_elsewhere_message, host_memory_bytes, plan_memory)
 
@@ -73,25 +73,6 @@ def worst_case_mask(cfg: Config, n: int):
     if 0 < bound < n and cfg.model.attention_chunk and bound <= cfg.model.attention_chunk:
         return masks.document([bound] * (n // bound) + ([n % bound] if n % bound else []))
     return masks.causal(n)
-
-
-class _DropGradient(torch.autograd.Function):
-    """``x`` unchanged, needing a gradient (through ``anchor``, a scalar that needs one) that the
-    backward drops at once: a layer's input as the layer below consumes its gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, None]:
-        return None, None
-
-
-def dropped_gradient_input(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-    """The one layer's input as :func:`measure_one_layer` makes it (a forward hook on the input
-    embeddings): the embeddings' output, needing a gradient that is dropped once made."""
-    return _DropGradient.apply(out.detach(), torch.zeros((), device=out.device, requires_grad=True))
 
 
 def measure_one_layer(cfg: Config, device: torch.device, vocab_size: int, lengths: tuple[int, int], *,
