@@ -176,11 +176,10 @@ def main(argv=None) -> dict:
     data = examples(args, config.vocab_size)
     layers = f"{config.num_hidden_layers} layers" + (" (--layers: fewer than the shape's)" if args.layers else "")
     where = torch.cuda.get_device_name() if cuda else "CPU"
-    offloaded = "every layer's" if policy.offload_layers < 0 else f"{policy.offload_layers} layers'"
-    offloaded += f", a checkpoint every {policy.every} layer(s)"
+    offloaded = "all on the host" if policy.offload_layers < 0 else f"the first {policy.offload_layers} layers' on the host"
     print(f"{args.trainer}: {args.model or args.shape} ({layers}), {args.length:,} tokens per step in "
           f"{args.documents} document(s), on {where}; tiles of {tile}, attention chunks of {attention_chunk}, "
-          f"loss chunks of {loss_chunk}, {offloaded} checkpoint on the host", flush=True)
+          f"loss chunks of {loss_chunk}; a checkpoint every {policy.every} layer(s), {offloaded}", flush=True)
     if args.trainer == "hf":
         from transformers import Trainer, TrainingArguments
 
