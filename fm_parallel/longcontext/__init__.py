@@ -30,7 +30,7 @@ import torch
 from fm_parallel.longcontext.loss import check_chunked_lm_loss, chunked_lm_loss
 from fm_parallel.longcontext.memory import CheckpointPolicy, MemoryPlan, MemoryPlanError, StepBudget, checkpoint_layers
 from fm_parallel.longcontext.plan import measure_budget, plan_long_context, static_bytes
-from fm_parallel.longcontext.tiling import tile_decoder_layers
+from fm_parallel.longcontext.tiling import tile_decoder_layers, untile_decoder_layers
 
 __all__ = ["long_context", "CheckpointPolicy", "measure_budget", "plan_long_context", "static_bytes", "MemoryPlan",
            "MemoryPlanError", "StepBudget"]
@@ -82,7 +82,8 @@ def long_context(model, *, tile_chunk: int = 0, attention_chunk: int = 65536, ch
             trainers use their own fused head, which runs through the same tiled layers. 0: the
             model's own loss.
 
-    The model's ``config.use_cache`` is turned off (training). Use it instead of HF's
+    Applied again (another plan, other chunks), the new settings replace the old ones. The model's
+    ``config.use_cache`` is turned off (training). Use it instead of HF's
     ``gradient_checkpointing``, not with it. Raises ``ValueError`` naming the argument for what the
     components cannot do (sliding-window layers or dropout with tiles, a model without decoder layers,
     a chunked loss on a model without an LM head or with logit softcapping)."""
@@ -103,6 +104,8 @@ def long_context(model, *, tile_chunk: int = 0, attention_chunk: int = 65536, ch
         base.config.use_cache = False
     if tile_chunk:  # before checkpoint_layers, which then leaves the tiled layers (their own checkpoints) unwrapped
         tile_decoder_layers(base, tile_chunk, attention_chunk, compiled=compile)
+    else:  # applied again without tiles: the layers as they were
+        untile_decoder_layers(base)
     policy = checkpoint_layers(base, offload_layers, checkpoint_every) if checkpointing else None
     if loss_chunk:
         chunked_lm_loss(base, loss_chunk)

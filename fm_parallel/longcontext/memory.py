@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 __all__ = ["CheckpointPolicy", "HostOffload", "MemoryPlan", "MemoryPlanError", "StepBudget", "checkpoint_layers",
            "decoder_layers", "decoder_parameters", "host_memory_bytes", "inputs_held", "plan_memory",
-           "prefer_expandable_segments"]
+           "prefer_expandable_segments", "unwrapped_forward"]
 
 ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
@@ -160,8 +160,11 @@ def checkpoint_layers(model, offload_layers: int = 0, every: int = 1) -> Checkpo
         raise ValueError(f"every: expected 1 for a decoder whose layers differ in attention type ({sorted(map(str, kinds))}), "
                          f"got {every}: a segment's layers would all get the first layer's mask")
     policy = CheckpointPolicy(num_layers=len(layers), offload_layers=offload_layers, every=every)
-    # A second call re-plans the same model (another length): it wraps the layers' own forwards again.
-    forwards = [layer.__dict__.setdefault("_fm_unwrapped_forward", layer.forward) for layer in layers]
+    # A second call re-plans the same model (another length): it wraps the layers' own forwards again,
+    # the ones they have now (tiled anew, say), not the ones first wrapped.
+    forwards = [unwrapped_forward(layer) for layer in layers]
+    for layer, forward in zip(layers, forwards):
+        layer._fm_unwrapped_forward = forward
 
     def each_layer(index: int):
         # A tiled layer (tiling.TiledLayer) is its own checkpoint: it saves its input alone. Wrapped in
@@ -182,7 +185,7 @@ def checkpoint_layers(model, offload_layers: int = 0, every: int = 1) -> Checkpo
 
     if every == 1:
         for index, layer in enumerate(layers):
-            layer.forward = each_layer(index)
+            layer.forward = layer._fm_checkpoint_forward = each_layer(index)
         return policy
     for start in range(0, len(layers), every):
         group = [each_layer(i) for i in range(start, min(start + every, len(layers)))]
@@ -203,10 +206,20 @@ def checkpoint_layers(model, offload_layers: int = 0, every: int = 1) -> Checkpo
                     return checkpoint(_run, hidden_states, *args, use_reentrant=False, **kwargs)
             return checkpoint(_run, hidden_states, *args, use_reentrant=False, **kwargs)
 
-        layers[start].forward = segment
+        layers[start].forward = layers[start]._fm_checkpoint_forward = segment
         for layer in layers[start + 1:start + every]:
-            layer.forward = _pass_through
+            layer.forward = layer._fm_checkpoint_forward = _pass_through
     return policy
+
+
+def unwrapped_forward(layer):
+    """``layer``'s forward without :func:`checkpoint_layers`'s wrapper: the one it wrapped, while that
+    wrapper is still the layer's forward; else the layer's forward as it is (replaced since, or never
+    wrapped)."""
+    d = layer.__dict__
+    if "_fm_checkpoint_forward" in d and d.get("forward") is d["_fm_checkpoint_forward"]:
+        return d["_fm_unwrapped_forward"]
+    return layer.forward
 
 
 def _pass_through(hidden_states, *args, **kwargs):

@@ -43,11 +43,11 @@ import torch
 from fm_parallel import backends
 from fm_parallel.masks.chunks import AttentionChunk, attention_chunks
 from fm_parallel.masks.flashmask import FlashMask
-from fm_parallel.longcontext.memory import decoder_layers
+from fm_parallel.longcontext.memory import decoder_layers, unwrapped_forward
 from fm_parallel.longcontext.tiles import (AutocastState, TileGrads, detached_leaf, per_tile, tile_ranges, tiled_map,
                                        trainable_parameters)
 
-__all__ = ["tile_decoder_layers", "TiledLayer"]
+__all__ = ["tile_decoder_layers", "untile_decoder_layers", "TiledLayer"]
 
 _NEEDED = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
 _ATTENTION_NEEDED = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
@@ -380,7 +380,7 @@ def tile_decoder_layers(model, tile: int, attention_chunk: int = 65536, compiled
         if missing:
             raise ValueError(f"model.tile_chunk: expected Llama-shaped decoder layers, layer {i} "
                              f"({type(layer).__name__}) has no {', '.join(missing)}; set model.tile_chunk = 0")
-        original = layer.__dict__.get("_fm_untiled_forward", layer.forward)
+        original = layer.__dict__.get("_fm_untiled_forward") or unwrapped_forward(layer)
         layer._fm_untiled_forward = original
         layer.forward = _tiled_forward(layer, tile, attention_chunk, original, compiled)
         layer._fm_self_checkpointed = True  # checkpoint_layers must not wrap it in a second checkpoint
@@ -391,3 +391,23 @@ def tile_decoder_layers(model, tile: int, attention_chunk: int = 65536, compiled
         norm._fm_untiled_forward = forward
         norm.forward = lambda x, _f=forward, _n=norm: tiled_map(_f, x, tile, params=trainable_parameters(_n))
     return len(layers)
+
+
+def untile_decoder_layers(model) -> int:
+    """Undo :func:`tile_decoder_layers`: each tiled layer (and the final norm) gets the forward it had
+    before; checkpoints wrapped around the tiled layers go with them (apply them again). Returns the
+    number of layers untiled."""
+    untiled = 0
+    for layer in decoder_layers(model):
+        original = layer.__dict__.pop("_fm_untiled_forward", None)
+        if original is None:
+            continue
+        layer.forward = original
+        for name in ("_fm_self_checkpointed", "_fm_checkpoint_forward", "_fm_unwrapped_forward"):
+            layer.__dict__.pop(name, None)
+        untiled += 1
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    norm = getattr(getattr(base, "model", base), "norm", None)
+    if isinstance(norm, torch.nn.Module) and "_fm_untiled_forward" in norm.__dict__:
+        norm.forward = norm.__dict__.pop("_fm_untiled_forward")
+    return untiled

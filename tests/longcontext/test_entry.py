@@ -372,3 +372,29 @@ def test_the_components_train_every_weight_as_the_plain_model():
     for k, v in want_weights.items():  # (1e-6: HF's float32 norms, as above)
         torch.testing.assert_close(got_weights[k], v, rtol=1e-6, atol=1e-8, msg=k)
     assert any((want_weights[k] - tiny_llama(name).state_dict()[k]).abs().max() > 1e-4 for k in want_weights)  # it trained
+
+
+def test_long_context_applied_again_takes_the_new_settings():
+    """The plan's workflow applies long_context a second time with its layout: the new tiles (and no
+    tiles) replace the old ones instead of the first wrapping being kept (it was: the checkpoint
+    wrapper re-wrapped the first tiled forward), and the losses stay the plain model's."""
+    from fm_parallel.integrations import transformers as fm_hf
+    from fm_parallel.longcontext import long_context, tiling
+
+    name = fm_hf.register()
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(2))
+    want = tiny_llama(name)(ids, labels=ids).loss
+    model = tiny_llama(name)
+    tiles, apply = [], tiling.TiledLayer.apply
+    tiling.TiledLayer.apply = staticmethod(lambda call, *a: (tiles.append(call.tile), apply(call, *a))[1])
+    try:
+        for settings, expected in ((dict(tile_chunk=16), {16}), (dict(tile_chunk=8, checkpoint_every=2), {8}),
+                                   (dict(tile_chunk=0, offload_layers=1), set()), (dict(tile_chunk=32), {32})):
+            long_context(model, **settings)
+            tiles.clear()
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            assert set(tiles) == expected, (settings, tiles)
+            torch.testing.assert_close(loss, want, rtol=1e-12, atol=0)
+    finally:
+        tiling.TiledLayer.apply = apply
