@@ -249,7 +249,15 @@ try:
                                  peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
                                  cp=ContextParallelConfig(degree=2, mode="ring")).train()
 except ValueError as e:
-    print("refused:", e, flush=True)
+    # Each rank records its refusal in a file and waits (at most 60 s) for its peer's: torchrun stops
+    # every rank as soon as one exits, so a rank slower to reach the check (a loaded machine) would be
+    # stopped before it could show that it refuses too.
+    import os, pathlib, time
+    out = pathlib.Path(sys.argv[2]).parent
+    (out / f"refused-{os.environ['RANK']}.txt").write_text(str(e))
+    deadline = time.time() + 60
+    while len(list(out.glob("refused-*.txt"))) < int(os.environ["WORLD_SIZE"]) and time.time() < deadline:
+        time.sleep(0.1)
     raise SystemExit(2)
 '''
 
@@ -270,9 +278,14 @@ def test_torchrun_sft_trainer_without_use_cpu_is_refused_on_every_rank(tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
+    logs = tmp_path / "logs"  # each rank's stdout and stderr in a file of its own (torchrun --redirects 3)
     proc = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "2",
+                           "--log-dir", str(logs), "--redirects", "3",
                            str(script), str(root / "launch" / "examples"), str(tmp_path / "out")],
                           cwd=root, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode != 0, proc.stdout[-2000:]
-    refused = [line for line in proc.stdout.splitlines() if line.startswith("refused: use_cpu: expected True when 2 ranks")]
-    assert len(refused) == 2, (proc.stdout[-2000:], proc.stderr[-3000:])
+    refused = {p.name: p.read_text() for p in tmp_path.glob("refused-*.txt")}
+    expected = "use_cpu: expected True when 2 ranks"
+    if proc.returncode == 0 or sorted(refused) != ["refused-0.txt", "refused-1.txt"] or \
+            not all(text.startswith(expected) for text in refused.values()):
+        ranks = "\n".join(f"--- {p.relative_to(logs)}\n{p.read_text()[-3000:]}" for p in sorted(logs.rglob("*.log")))
+        pytest.fail(f"exit {proc.returncode}, refusals {refused}\n{ranks}\n--- torchrun\n{proc.stderr[-2000:]}")
