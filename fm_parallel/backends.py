@@ -8,8 +8,9 @@ A backend is one module (imported on first use, so optional packages stay option
     attention(q, k, v, mask, positions, scale, q_offset=None, deterministic=...) -> (out, lse), differentiable
 
 and optionally ``supports(device) -> bool`` and ``unsupported_inputs(dtype, head_dim, value_dim) -> str | None``.
-``q_offset``: the rows are ``q_offset + arange(Nq)`` (launch plans are then cached on the mask;
-None: arbitrary ``positions``). Adding a backend is one module and one :func:`register` line.
+``q_offset``: the rows are ``q_offset + arange(Nq)`` (launch plans are then cached per mask, in the backend's own store: ``fm_parallel.derived``;
+None: arbitrary ``positions``). Adding a backend is one module and one :func:`register` line
+(docs/adding-a-backend.md).
 
 ``auto`` means the same at every entry point: on CUDA the first of :data:`AUTO_ORDER_CUDA` that is
 installed, runs on the device and takes the dtype and head dims (CuTe on Hopper with the ``[cute]``
@@ -123,9 +124,9 @@ def get(name: str) -> Backend:
     return _REGISTRY[name]
 
 
-register(Backend("cute", "fm_parallel.kernels.cute_flashmask", "flash_attn", deterministic=False, gpu=True,
+register(Backend("cute", "fm_parallel.kernels.fa4.backend", "flash_attn", deterministic=False, gpu=True,
                  requirement=" (impl='cute' needs a Hopper GPU, compute capability 9.x); use impl='triton'"))
-register(Backend("triton", "fm_parallel.kernels.triton_flashmask", "triton", deterministic=True, gpu=True))
+register(Backend("triton", "fm_parallel.kernels.triton.backend", "triton", deterministic=True, gpu=True))
 register(Backend("torch", "fm_parallel.reference", None, deterministic=True, gpu=False))
 register(Backend("dense", "fm_parallel.dense", None, deterministic=True, gpu=False, chunked=False))
 

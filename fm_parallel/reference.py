@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fm_parallel.derived import derived_for_mask
 from fm_parallel.heads import group_queries, mask_groups, mask_heads_as_groups
 from fm_parallel.masks.blocks import TileClass, classify_tiles, row_block_bounds
 from fm_parallel.masks.flashmask import FlashMask
@@ -75,11 +76,11 @@ class _RowBlock:
 
 
 def _plan(mask: FlashMask, positions: torch.Tensor, block_q: int, block_k: int, q_offset: int | None = None):
-    """Per mask row ``[Bm * Hm]``, per query block: the tiles to visit, from the tile rule. Cached on
-    the mask for consecutive rows (``positions`` is ``q_offset + arange``)."""
+    """Per mask row ``[Bm * Hm]``, per query block: the tiles to visit, from the tile rule. Cached (this
+    backend's store, :func:`fm_parallel.derived.derived_for_mask`) for consecutive rows (``positions`` is ``q_offset + arange``)."""
     if q_offset is not None:
         key = ("torch_plan", block_q, block_k, q_offset, positions.numel())
-        return mask.cached(key, lambda: _plan(mask, positions, block_q, block_k))
+        return derived_for_mask("torch").get((mask,), key, lambda: _plan(mask, positions, block_q, block_k))
     lo, hi = row_block_bounds(positions, block_q)
     classes = classify_tiles(mask.block_summary(block_k), lo, hi).cpu()  # [Bm, Hm, Tr, Tc]
     nq, nk = positions.numel(), mask.num_keys

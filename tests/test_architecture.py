@@ -1,10 +1,14 @@
 """The library's import structure, read statically with ast (nothing is imported):
 
-* no import circle among the modules of ``fm_parallel/`` and ``kernels/`` (= ``fm_parallel.kernels``),
+* no import circle among the modules of ``fm_parallel/`` and ``kernels/<language>/``
+  (= ``fm_parallel.kernels.<language>``),
   counting imports inside functions too (a lazy import still ties two modules), but not those under
   ``if TYPE_CHECKING:`` (annotations only);
 * no script under ``launch/`` takes a private name (``_x``) from ``fm_parallel``;
-* nothing in the tree imports a top-level ``kernels`` (our folder is only ``fm_parallel.kernels``);
+* nothing in the tree imports a top-level ``kernels`` (our folder is only ``fm_parallel.kernels``), and
+  the folder has no ``__init__.py`` (so it never shadows PyPI's ``kernels``); one folder per kernel
+  language in it;
+* the FA4 version is written once (``pyproject.toml``; ``fm_parallel.kernels.fa4.pin`` reads it);
 * no trainer module but ``objectives.py`` compares an objective's name (an objective is one class);
 * the deprecated ``fm_parallel.launchers`` view is gone.
 """
@@ -13,7 +17,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"fm_parallel": ROOT / "fm_parallel", "fm_parallel.kernels": ROOT / "kernels"}
+PACKAGES = {"fm_parallel": ROOT / "fm_parallel", "fm_parallel.kernels.triton": ROOT / "kernels" / "triton",
+            "fm_parallel.kernels.fa4": ROOT / "kernels" / "fa4"}
 SKIP_DIRS = {".git", "build", "venv", ".venv", "node_modules"}
 
 
@@ -22,8 +27,8 @@ def _modules() -> dict[str, Path]:
     for pkg, folder in PACKAGES.items():
         for path in sorted(folder.rglob("*.py")):
             parts = path.relative_to(folder).with_suffix("").parts
-            if pkg == "fm_parallel" and parts[:1] == ("kernels",):
-                continue  # a build copy of kernels/, if one exists
+            if pkg == "fm_parallel" and parts[:1] == ("kernels",) and parts[1:2] in (("triton",), ("fa4",)):
+                continue  # an installed copy of kernels/<language>, if one exists
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             out[".".join((pkg, *parts))] = path
@@ -113,8 +118,11 @@ def has_edge(graph, a, b) -> bool:
 
 def test_the_graph_sees_lazy_and_relative_imports():
     graph = _graph()
-    assert has_edge(graph, "fm_parallel.kernels.fa4_sparsity", "fm_parallel.kernels.plan")  # relative
-    assert has_edge(graph, "fm_parallel.kernels.plan", "fm_parallel.kernels.triton_plan")  # inside a function
+    assert has_edge(graph, "fm_parallel.kernels.fa4.sparsity", "fm_parallel.kernels.plan")  # across folders
+    relative = ast.parse("from .plan import x").body[0]
+    assert _absolute(relative, "fm_parallel.kernels.fa4.sparsity", False) == "fm_parallel.kernels.fa4.plan"
+    assert _absolute(relative, "fm_parallel.kernels", True) == "fm_parallel.kernels.plan"
+    assert has_edge(graph, "fm_parallel.kernels.plan", "fm_parallel.kernels.triton.plan")  # inside a function
     assert has_edge(graph, "fm_parallel.masks.flashmask", "fm_parallel.masks.blocks")  # lazy, in block_summary
     assert not has_edge(graph, "fm_parallel.masks.blocks", "fm_parallel.masks.flashmask")  # TYPE_CHECKING only
 
@@ -160,6 +168,23 @@ def test_nothing_imports_a_top_level_kernels():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             found += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if n.split(".")[0] == "kernels"]
     assert not found, "top-level `kernels` imports (use fm_parallel.kernels):\n" + "\n".join(found)
+
+
+def test_the_kernels_folder_is_one_package_per_language_and_never_a_package_itself():
+    folder = ROOT / "kernels"
+    assert not (folder / "__init__.py").exists(), "kernels/__init__.py would make a top-level `kernels` package"
+    entries = sorted(p.name for p in folder.iterdir() if p.name != "__pycache__")
+    assert entries == ["fa4", "triton"], f"kernels/ holds one folder per kernel language, found {entries}"
+    assert all((folder / lang / "__init__.py").is_file() for lang in entries)
+
+
+def test_the_fa4_version_is_written_once():
+    import re
+
+    pin = re.compile(r"\b4\.0\.0b\d+")
+    found = [f"{path.relative_to(ROOT)}" for path in _python_files() if pin.search(path.read_text())
+             and path.name != "test_cute.py"]  # the fake other version that test installs
+    assert not found, "FA4 versions written outside pyproject.toml (read fm_parallel.kernels.fa4.pin):\n" + "\n".join(found)
 
 
 def _objective_name_tests(tree: ast.AST) -> list[int]:
@@ -224,8 +249,23 @@ def test_the_recursive_closure_finder_finds_one():
 def test_no_recursive_closure_holds_tensors_past_its_call():
     """A nested function that calls itself is in a reference cycle with its closure, which keeps what
     the closure sees (a call's tensors) alive until the cyclic GC runs: on the H200 that held every
-    layer's FA4 tensors at once (kernels/fa4_launch.py, 20.7 vs 6.4 GiB). Module-level helpers, or
+    layer's FA4 tensors at once (kernels/fa4/launches.py, 20.7 vs 6.4 GiB). Module-level helpers, or
     ``del`` the inner function in a ``finally``."""
     found = [f"{path.relative_to(ROOT)}:{line} {outer}.{inner}" for path in _modules().values()
              for outer, inner, line in _recursive_closures(ast.parse(path.read_text(), str(path)))]
     assert not found, "recursive closures (reference cycles holding their closure):\n" + "\n".join(found)
+
+
+def test_a_backends_derived_data_is_never_stored_on_the_mask():
+    """Only the masks layer writes ``FlashMask.cached`` / ``_cache``; backends keep their own store
+    (``fm_parallel.derived.derived_for_mask``)."""
+    found = []
+    for path in _python_files():
+        rel = path.relative_to(ROOT)
+        if rel.parts[:2] == ("fm_parallel", "masks") or rel.parts[0] == "tests":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in ("cached", "_cache") and not (
+                    isinstance(node.value, ast.Name) and node.value.id == "self"):
+                found.append(f"{rel}:{node.lineno} .{node.attr}")
+    assert not found, "data derived outside the masks layer stored on a FlashMask:\n" + "\n".join(found)

@@ -35,8 +35,7 @@ def test_list_prints_every_benchmark_and_the_docs_hold_the_same_table():
 def test_every_script_under_launch_bench_is_in_the_catalogue_or_a_helper():
     from launch.bench.run import CATALOGUE
 
-    # fa4_pack.sh packs FA4 for the device (a set-up step, not a benchmark; docs/benchmarks/README.md).
-    helpers = {"run.py", "harness.py", "fa4_pack.sh"}
+    helpers = {"run.py", "harness.py"}
     scripts = {p.name for p in (ROOT / "launch" / "bench").glob("*") if p.is_file()}
     assert scripts - helpers == {b.script for b in CATALOGUE}
 

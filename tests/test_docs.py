@@ -122,6 +122,7 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
                                    ("python3 -m venv",)),
     ("README.md", f"{PIP_SMOL} && {SMOL}"): Skip(DOWNLOAD, SMOL_REASON),
     ("README.md", "import torch"): Run(),
+    ("docs/adding-a-backend.md", "import torch"): Run(),
     ("README.md", "python launch/quickstart.py"): Run(expect="All masks agree with dense attention: yes"),
     ("README.md", "pip install -e '.[cute]'"): Skip(INSTALLS, "the FA4 CuTe extra (flash-attn-4, cutlass-dsl): Hopper only"),
     ("README.md", "python launch/bench/run.py --list"): Run(expect="| cpu | cpu-attention |"),

@@ -31,11 +31,11 @@ FlashAttention.
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 
 from fm_parallel.attention import autocast_inputs, flashmask_attention
+from fm_parallel.derived import IdentityCache
 from fm_parallel.masks import builders
 from fm_parallel.masks.flashmask import FlashMask
 
@@ -84,26 +84,9 @@ def _default_mask(n_keys: int, causal: bool, device: torch.device) -> FlashMask:
     return (builders.causal(n_keys) if causal else builders.full(n_keys)).to(device)
 
 
-class _PerForward:
-    """A one-entry cache keyed on the identity (and version) of tensors: every layer of one forward
-    receives the same ``position_ids`` / ``cu_seq_lens`` / padding tensors, so what is derived from
-    them is built by the first layer and reused by the rest, and dropped when the next forward comes."""
-
-    def __init__(self):
-        self.key, self.refs, self.value = None, (), None
-
-    def get(self, tensors: tuple, extra: tuple, make):
-        refs = tuple(t for t in tensors if t is not None)
-        key = (tuple(t._version for t in refs), extra)
-        alive = tuple(r() for r in self.refs)
-        if self.value is not None and key == self.key and len(alive) == len(refs) and all(a is t for a, t in zip(alive, refs)):
-            return self.value
-        value = make()
-        self.key, self.refs, self.value = key, tuple(weakref.ref(t) for t in refs), value
-        return value
-
-
-_DERIVED = _PerForward()
+# Each layer of one forward receives the same position_ids / cu_seq_lens / padding tensors: what is
+# derived from them is built by the first layer and reused by the rest (one entry: the last forward's).
+_DERIVED = IdentityCache("HF attention: the mask from position_ids / cu_seq_lens", entries=1)
 
 
 def _documents_from_positions(position_ids: torch.Tensor, batch: int, n: int, causal: bool, device) -> FlashMask:
@@ -282,6 +265,7 @@ def attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-_DERIVED_PADDED = _PerForward()
-_CHECKED = _PerForward()  # the caller's fms/fme, validated once per forward
-_MOVED = _PerForward()  # one move per forward, not per layer: kernel plans cached on the moved mask are reused
+_DERIVED_PADDED = IdentityCache("HF attention: the mask with the padding folded in", entries=1)
+_CHECKED = IdentityCache("HF attention: the caller's fms / fme, validated", entries=1)  # once per forward
+_MOVED = IdentityCache("HF attention: the mask moved to the device", entries=1)  # one move per forward, not per
+# layer: the kernels' data derived from the moved mask is reused by every layer

@@ -2,7 +2,7 @@
 
 This module is the only place that decides what a tile of (query rows x key block) is. The PyTorch
 path calls :func:`classify_tiles`; the kernels' launch plans and FA4's block lists
-(``fm_parallel.kernels.plan``, ``.fa4_sparsity``, ``.triton_plan``) take their classes from
+(``fm_parallel.kernels.plan``, ``.fa4.sparsity``, ``.triton.plan``) take their classes from
 :func:`tile_classes` (any rows) or :func:`consecutive_tile_ranges` + :func:`classes_in_ranges`
 (consecutive rows, without the dense tile grid). The ring scheduler does not classify tiles: it
 skips a transfer from the exact pair counts (``fm_parallel.distributed.sharding.pair_counts``).

@@ -478,7 +478,7 @@ def parse_args(argv: list[str] | None = None, *, check_device_here: bool = False
                         help="--decoder-rest: timed at min(N / P, this) tokens and scaled linearly in tokens above it "
                              "(its GEMMs are linear in tokens; a 1M / 2 layer's MLP activations would not fit beside the ring's)")
     parser.add_argument("--fa4-python", action="store_true",
-                        help="every FA4 call through FA4's own Python (fm_parallel.kernels.fa4_launch off), to measure "
+                        help="every FA4 call through FA4's own Python (fm_parallel.kernels.fa4.launches off), to measure "
                              "what the recorded launches save")
     parser.add_argument("--max-seconds", type=float, default=480.0, help="stop starting new configurations after this")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
@@ -629,7 +629,7 @@ def measure_configuration(args, case: Case, p: int, balance: str, impl: str, dev
     from fm_parallel.distributed import shard
     from fm_parallel.distributed.sharding import pair_counts
 
-    from fm_parallel.kernels import fa4_launch
+    from fm_parallel.kernels.fa4 import launches as fa4_launches
 
     plan = shard(case.mask_cpu, p, balance)
     table = pair_counts(case.mask_cpu, plan.positions)
@@ -660,7 +660,7 @@ def measure_configuration(args, case: Case, p: int, balance: str, impl: str, dev
             "predicted_layer_ms": pred_total, "predicted_device_ms": pred_device, "single_gpu_ms": case.one,
             "predicted_tf_per_gpu": tf_gpu, "single_gpu_tf": tf_one, "ratio": tf_gpu / tf_one,
             "host_over_kernel_rank0": host / device_ms[0] if device_ms[0] else None, "decoder": decoder,
-            "fa4_launch": dict(fa4_launch.counters, enabled=fa4_launch.ENABLED)}
+            "fa4_launch": dict(fa4_launches.counters, enabled=fa4_launches.ENABLED)}
 
 
 def measure_all(args, device, dtype, impl: str, gpu: str) -> list[dict]:
@@ -723,9 +723,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv, check_device_here=True)
     from fm_parallel import backends
 
-    from fm_parallel.kernels import fa4_launch
+    from fm_parallel.kernels.fa4 import launches as fa4_launches
 
-    fa4_launch.ENABLED = not args.fa4_python
+    fa4_launches.ENABLED = not args.fa4_python
     device = torch.device(args.device)
     if device.type != "cuda":
         raise SystemExit("cp_layer_cost.py times CUDA kernels; --device cpu is not supported (use ring_cpu.py)")

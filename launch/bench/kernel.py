@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from fm_parallel import flashmask_attention, masks  # noqa: E402
 from fm_parallel.masks.flashmask import FlashMask  # noqa: E402
-from fm_parallel.kernels.triton_flashmask import config_for  # noqa: E402
+from fm_parallel.kernels.triton.backend import config_for  # noqa: E402
 from fm_parallel.kernels.plan import build_plans, build_plans_consecutive  # noqa: E402
 from launch.bench.harness import error_line, spread  # noqa: E402
 
@@ -141,9 +141,10 @@ def mask_churn(n: int, heads: int, impl: str, calls: int = 100) -> dict:
 
     label, impl = impl, impl.replace("_sparse", "")
     if impl == "cute":
-        from fm_parallel.kernels import cute_fa4_patches, cute_flashmask
+        from fm_parallel.kernels.fa4 import patches as fa4_patches
+        from fm_parallel.kernels.fa4 import backend as fa4_backend
 
-        cute_flashmask.OPTIONS = cute_fa4_patches.Options()
+        fa4_backend.OPTIONS = fa4_patches.Options()
     fresh = [masks.document(doc_lengths(n, seed=100 + i)).to("cuda") for i in range(calls)]
     if label == "cute_sparse":  # block lists and bounds per new mask, not FA4's varlen kernel
         fresh = [without_structure(m) for m in fresh]
@@ -182,7 +183,7 @@ def mask_churn(n: int, heads: int, impl: str, calls: int = 100) -> dict:
             "new_mask_host_fwd_ms": 1e3 * host_fwd, "new_mask_host_bwd_ms": 1e3 * host_bwd, "syncs": syncs}
 
 
-# impl="cute" with FlashMask's changes to FA4 (kernels/cute_fa4_patches.py), and without them to measure
+# impl="cute" with FlashMask's changes to FA4 (kernels/fa4/patches.py), and without them to measure
 # what each brings; impl -> Options(column-first masking, schedule). "cute" is the backend as shipped
 # (heaviest-first cost order); "cute_lpt" the schedule before the cost order (FA4's reversed forward,
 # grid-order backward); "cute_col" only the column-first masking (FA4's grid order both ways);
@@ -201,10 +202,11 @@ def without_structure(fm: FlashMask) -> FlashMask:
 def cute_call(options: tuple[bool, bool], q, k, v, fm):
     """``flashmask_attention(impl="cute")`` with these FA4 changes (column_first, schedule); the
     backward of the returned output uses them too (each setting has its own compiled kernels)."""
-    from fm_parallel.kernels import cute_fa4_patches, cute_flashmask
+    from fm_parallel.kernels.fa4 import patches as fa4_patches
+    from fm_parallel.kernels.fa4 import backend as fa4_backend
 
     def call():
-        cute_flashmask.OPTIONS = cute_fa4_patches.Options(*options)
+        fa4_backend.OPTIONS = fa4_patches.Options(*options)
         return flashmask_attention(q, k, v, mask=fm, impl="cute")
 
     return call

@@ -8,8 +8,8 @@ Sweep (CUDA): for each pass (forward, dK/dV, dQ) and each candidate (BLOCK_M, BL
 num_stages) it times that kernel alone on causal and packed-document masks (B=1, H=16, bf16) and
 reports effective TFLOP/s (visible pairs only; forward = 2 matmuls, dK/dV = 4, dQ = 3), min / median /
 max of ``triton.testing.do_bench``. The candidate reaches the launchers through
-``triton_flashmask.config_for``, which they read at every call. The winners go into the Hopper table
-of kernels/triton_flashmask.py.
+``fm_parallel.kernels.triton.backend.config_for``, which they read at every call. The winners go into the Hopper table
+of kernels/triton/backend.py.
 
 ``--static`` (no GPU): Triton compiles for ``sm_90a`` (``triton.compile`` with a ``GPUTarget``), and the
 ``ptxas`` it ships reports each kernel's registers per thread and spilled bytes (``-v``). A shape that
@@ -115,7 +115,7 @@ def resources(kind: str, d: int, shape: tuple[int, int, int, int]) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from fm_parallel.kernels import triton_kernels as tk
+    from fm_parallel.kernels.triton import kernels as tk
 
     kernels = {"fwd": tk.flashmask_fwd_kernel, "bwd_kv": tk.flashmask_bwd_kv_kernel, "bwd_q": tk.flashmask_bwd_q_kernel}
     kernel = _plain_forward() if kind == "reference" else kernels[kind]
@@ -158,7 +158,7 @@ def static_report(args) -> None:
     import triton
     from tqdm import tqdm
 
-    from fm_parallel.kernels.triton_flashmask import config_for
+    from fm_parallel.kernels.triton.backend import config_for
 
     extra = args.extra
     jobs = [("reference", d, shape, False) for d in args.d for shape in ((64, 64, 4, 3), (128, 64, 8, 3))]
@@ -211,7 +211,7 @@ def sweep(args) -> None:
     import torch
     from triton.testing import do_bench
 
-    from fm_parallel.kernels import triton_flashmask as tf
+    from fm_parallel.kernels.triton import backend as tf
     from launch.bench.kernel import build
 
     if not torch.cuda.is_available():

@@ -172,7 +172,7 @@ def ring_triton_cases(rank, world):
     """The ring with the Triton kernels (the interpreter here), on the prepared mask's column masks in
     local rows: every balance mode takes the consecutive-row plans, cached on those masks. Two "layers" on one prepared mask: the second builds no
     plan, no column mask and runs no agreement."""
-    from fm_parallel.kernels import triton_flashmask
+    from fm_parallel.kernels.triton import backend as triton_flashmask
 
     builds = {"plans": 0, "arbitrary_rows": 0}
     reals = {name: getattr(triton_flashmask, name) for name in ("build_plan", "build_plans_consecutive")}

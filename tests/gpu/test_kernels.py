@@ -99,9 +99,9 @@ def check(impl, mask, b, hq, hkv, nq, d, dtype, q_offset=0, seed=0, device="cuda
 def _paths(impl: str) -> Counter:
     if impl != "cute":
         return Counter()
-    from fm_parallel.kernels import cute_flashmask
+    from fm_parallel.kernels.fa4 import backend as fa4_backend
 
-    return Counter(cute_flashmask.paths)
+    return Counter(fa4_backend.paths)
 
 
 def cases(n: int, device: str):

@@ -60,12 +60,13 @@ def compiled_kernels() -> int:
 
 
 def _sparsity_on_cpu(mask, positions, num_heads, head_dim, q_offset):
-    """``cute_flashmask._sparsity`` with the classification run on the CPU (fake CUDA tensors cannot run
+    """``fa4_backend._sparsity`` with the classification run on the CPU (fake CUDA tensors cannot run
     every op): the lists of an all-visible mask of the same shape, handed back as fake CUDA tensors
     of the shapes FA4 will see. Values do not matter for compiling; shapes and dtypes do."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    from fm_parallel.kernels import cute_flashmask, fa4_sparsity
+    from fm_parallel.kernels.fa4 import backend as fa4_backend
+    from fm_parallel.kernels.fa4 import sparsity as fa4_sparsity
     from fm_parallel.masks.flashmask import FlashMask
 
     with unset_fake_temporarily():
@@ -75,7 +76,7 @@ def _sparsity_on_cpu(mask, positions, num_heads, head_dim, q_offset):
         lists = fa4_sparsity.fa4_block_sparsity(cpu_mask, *fa4_sparsity.fa4_tile_shape(head_dim), num_heads,
                                                 torch.arange(positions.numel()) + (q_offset or 0))
         handed_over = [s.to_fa4() for s in lists]
-        ordered = cute_flashmask.OPTIONS.schedule == "cost"
+        ordered = fa4_backend.OPTIONS.schedule == "cost"
         orders = [fa4_sparsity.cost_order(s) if ordered else None for s in lists]
     fake = tuple(t._replace(**{name: torch.empty(x.shape, dtype=x.dtype, device="cuda") for name, x in t._asdict().items()
                                if isinstance(x, torch.Tensor)}) for t in handed_over)
@@ -105,11 +106,11 @@ def _allow_fake_semaphores() -> None:
 def run_case(case, fresh_shape: bool) -> None:
     """Forward + backward of one case on fake CUDA tensors (compiles, launches nothing).
     ``fresh_shape``: other lengths than the case's (the "different mask, same class" run)."""
-    from fm_parallel.kernels import cute_flashmask
-    from fm_parallel.kernels.cute_flashmask import cute_bwd, cute_fwd
+    from fm_parallel.kernels.fa4 import backend as fa4_backend
+    from fm_parallel.kernels.fa4.backend import cute_bwd, cute_fwd
     from fm_parallel.masks.flashmask import FlashMask
 
-    cute_flashmask._sparsity = _sparsity_on_cpu
+    fa4_backend._sparsity = _sparsity_on_cpu
     _allow_fake_semaphores()
 
     _, d, dtype, b, hq, hkv, bm, hm, m, nq, nk, q_offset = case
@@ -141,7 +142,7 @@ def main() -> None:
             continue
         row = {"case": case[0]}
         try:
-            from fm_parallel.kernels.cute_fa4_patches import traced
+            from fm_parallel.kernels.fa4.patches import traced
 
             traced.clear()
             with FakeTensorMode(allow_non_fake_inputs=True):

@@ -1,4 +1,4 @@
-"""The custom-op wiring every GPU backend shares (kernels/custom_op.py), driven here by the PyTorch
+"""The custom-op wiring every GPU backend shares (fm_parallel/kernels/custom_op.py), driven here by the PyTorch
 launchers so it runs on the CPU: schema and fake implementation (torch.library.opcheck), gradients
 of the output and of the lse against the float64 reference, and how the op finds the caller's mask
 object again (its caches, what it knows of its structure) from tensors alone."""

@@ -62,7 +62,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from flash_attn.cute import utils as fa4_utils
 from flash_attn.cute.interface import _flash_attn_fwd
 from tests.kernels import cute_compile_check as check
-from fm_parallel.kernels import cute_fa4_patches, cute_flashmask
+from fm_parallel.kernels.fa4 import patches as fa4_patches
+from fm_parallel.kernels.fa4 import backend as fa4_backend
 
 @cute.jit
 def foreign(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
@@ -70,13 +71,13 @@ def foreign(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
 
 case = [c for c in check.CASES if c[0] == "d128 docs"][0]
 with FakeTensorMode(allow_non_fake_inputs=True):
-    cute_flashmask.OPTIONS = cute_fa4_patches.Options(False, "grid")
+    fa4_backend.OPTIONS = fa4_patches.Options(False, "grid")
     check.run_case(case, False)
-    ours_off = dict(cute_fa4_patches.traced)
-    cute_fa4_patches.traced.clear()
+    ours_off = dict(fa4_patches.traced)
+    fa4_patches.traced.clear()
     q, k, v = (torch.empty(1, 300, 4, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     _flash_attn_fwd(q, k, v, mask_mod=foreign, aux_tensors=[torch.empty(300, dtype=torch.int32, device="cuda")])
-    print("OFF", sorted(ours_off.items()), "FOREIGN", sorted(cute_fa4_patches.traced.items()))
+    print("OFF", sorted(ours_off.items()), "FOREIGN", sorted(fa4_patches.traced.items()))
 '''
     (tmp_path / "foreign.py").write_text(script)  # CuTe DSL reads a jit function's source from its file
     proc = subprocess.run([sys.executable, str(tmp_path / "foreign.py"), str(ROOT)], capture_output=True, text=True,
@@ -100,11 +101,12 @@ sys.path.insert(0, sys.argv[1])
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from tests.kernels import cute_compile_check as check
-from fm_parallel.kernels import cute_flashmask
+from fm_parallel.kernels.fa4 import backend as fa4_backend
+from fm_parallel.derived import derived_for_mask
 from fm_parallel.masks.flashmask import FlashMask
 
 check._allow_fake_semaphores()
-cute_flashmask._sparsity = check._sparsity_on_cpu
+fa4_backend._sparsity = check._sparsity_on_cpu
 for lengths, b in (((300,), 2), ((100, 150, 50), 1), ((100, 200), 2), (None, 1)):
     with FakeTensorMode(allow_non_fake_inputs=True):
         n = 300
@@ -114,12 +116,12 @@ for lengths, b in (((300,), 2), ((100, 150, 50), 1), ((100, 200), 2), (None, 1))
         mask = FlashMask(*bounds, n, validate=False)
         mask.set_causal_documents(lengths)
         if lengths and len(lengths) > 1:  # the pinned upload is real work: hand over its fake result
-            mask.cached(("cu_seqlens", lengths), lambda: torch.empty(len(lengths) + 1, dtype=torch.int32, device="cuda"))
+            derived_for_mask("fa4").get((mask,), ("cu_seqlens", lengths), lambda: torch.empty(len(lengths) + 1, dtype=torch.int32, device="cuda"))
         pos = torch.arange(n, device="cuda")
-        before = dict(cute_flashmask.paths)
-        out, lse = cute_flashmask.cute_fwd(q, k, k, mask, pos, 0.1, 0)
-        cute_flashmask.cute_bwd(q, k, k, out, lse, torch.empty_like(out), mask, pos, 0.1, torch.empty_like(lse), 0)
-        took = [p for p, c in cute_flashmask.paths.items() if c != before.get(p, 0)]
+        before = dict(fa4_backend.paths)
+        out, lse = fa4_backend.cute_fwd(q, k, k, mask, pos, 0.1, 0)
+        fa4_backend.cute_bwd(q, k, k, out, lse, torch.empty_like(out), mask, pos, 0.1, torch.empty_like(lse), 0)
+        took = [p for p, c in fa4_backend.paths.items() if c != before.get(p, 0)]
         print("PATH", lengths, b, took)
 '''
     (tmp_path / "dense_paths.py").write_text(script)
@@ -138,9 +140,9 @@ sys.path.insert(0, sys.argv[1])
 real = importlib.metadata.version
 importlib.metadata.version = lambda name: "4.0.0b99" if name == "flash-attn-4" else real(name)
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
-from fm_parallel.kernels import cute_fa4_patches
+from fm_parallel.kernels.fa4 import patches as fa4_patches
 from flash_attn.cute import flash_fwd_sm90, mask, tile_scheduler
-print("INSTALLED", cute_fa4_patches.install(), hasattr(mask.AttentionMask.apply_mask, "fm_parallel_original"),
+print("INSTALLED", fa4_patches.install(), hasattr(mask.AttentionMask.apply_mask, "fm_parallel_original"),
       flash_fwd_sm90.SingleTileScheduler is tile_scheduler.SingleTileScheduler)
 '''
     (tmp_path / "other_version.py").write_text(script)
@@ -148,4 +150,6 @@ print("INSTALLED", cute_fa4_patches.install(), hasattr(mask.AttentionMask.apply_
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "INSTALLED False False True" in proc.stdout, proc.stdout
-    assert "4.0.0b99 is not the pinned 4.0.0b36" in proc.stdout, proc.stdout
+    from fm_parallel.kernels.fa4.pin import pinned_fa4
+
+    assert f"4.0.0b99 is not the pinned {pinned_fa4()}" in proc.stdout, proc.stdout

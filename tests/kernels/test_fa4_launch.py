@@ -1,4 +1,4 @@
-"""FA4 launches recorded once and replayed (fm_parallel.kernels.fa4_launch), against a stand-in for FA4's
+"""FA4 launches recorded once and replayed (fm_parallel.kernels.fa4.launches), against a stand-in for FA4's
 interface module: functions with a ``compile_cache`` whose compiled kernels do their work outside
 PyTorch's dispatcher (as FA4's do, through TVM FFI), allocating temporaries and views on the way as FA4
 does. The replay must equal FA4's own path on new values, and anything it cannot map exactly must
@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from fm_parallel.kernels import fa4_launch
+from fm_parallel.kernels.fa4 import launches as fa4_launches
 from torch.utils._python_dispatch import _disable_current_modes
 
 
@@ -46,21 +46,21 @@ def _make_interface(monkeypatch, *, python_op=False, stray=None):
     fwd.compile_cache = {}
     module.fwd = fwd
     monkeypatch.setitem(sys.modules, "fake_fa4_interface", module)
-    monkeypatch.setattr(fa4_launch, "INTERFACE", "fake_fa4_interface")
-    monkeypatch.setattr(fa4_launch, "counters", fa4_launch.counters.__class__())
+    monkeypatch.setattr(fa4_launches, "INTERFACE", "fake_fa4_interface")
+    monkeypatch.setattr(fa4_launches, "counters", fa4_launches.counters.__class__())
     return module
 
 
 def _run(module, store, x, bias, keep=True, prepared=None):
     out = torch.empty(x.shape[1], x.shape[0])
-    view = out.transpose(0, 1)  # FA4 is handed our output as a transposed view, as cute_flashmask does
+    view = out.transpose(0, 1)  # FA4 is handed our output as a transposed view, as the FA4 backend does
 
-    def prepare():  # as cute_flashmask makes the mask's block lists: any tensor work, outside the recording
+    def prepare():  # as the FA4 backend makes the mask's block lists: any tensor work, outside the recording
         if prepared is not None:
             prepared.append(torch.full((4,), 3.0).amin())
         return (bias,) if keep else ()
 
-    fa4_launch.launch(store, ("fwd", 0.5), (x, view), prepare, lambda made: module.fwd(x, view, bias))
+    fa4_launches.launch(store, ("fwd", 0.5), (x, view), prepare, lambda made: module.fwd(x, view, bias))
     return out
 
 
@@ -74,7 +74,7 @@ def test_a_recorded_launch_replays_on_new_values_as_fa4_would(monkeypatch):
     for step in range(4):  # FA4's path (compiles), recorded, replayed, replayed
         x = torch.randn(3, 4, requires_grad=True)
         torch.testing.assert_close(_run(module, store, x, bias), _want(x.detach(), bias), rtol=0, atol=0)
-    assert fa4_launch.counters == {"recorded": 1, "replayed": 2}
+    assert fa4_launches.counters == {"recorded": 1, "replayed": 2}
     (record,) = store.values()
     allocs = [step for step in record.program if step[0] == "alloc"]
     assert [value for *_, value in allocs] == [None, 0]  # empty stays empty, zeros are zeroed again
@@ -90,7 +90,7 @@ def test_what_the_mask_prepares_is_made_outside_the_recording_and_skipped_by_a_r
     for _ in range(4):
         x = torch.randn(3, 4)
         torch.testing.assert_close(_run(module, store, x, bias, prepared=prepared), _want(x, bias), rtol=0, atol=0)
-    assert fa4_launch.counters == {"recorded": 1, "replayed": 2}
+    assert fa4_launches.counters == {"recorded": 1, "replayed": 2}
     assert len(prepared) == 2  # the first call and the recorded one
 
 
@@ -104,7 +104,7 @@ def test_the_replay_zero_fills_what_fa4_zeroed(monkeypatch):
     monkeypatch.setattr(torch, "empty_strided", lambda *a, **k: real_empty_strided(*a, **k).fill_(1e6))
     x = torch.randn(3, 4)
     torch.testing.assert_close(_run(module, store, x, bias), _want(x, bias), rtol=0, atol=0)
-    assert fa4_launch.counters["replayed"] == 1
+    assert fa4_launches.counters["replayed"] == 1
 
 
 def test_a_new_signature_records_again(monkeypatch):
@@ -116,7 +116,7 @@ def test_a_new_signature_records_again(monkeypatch):
     for _ in range(3):
         torch.testing.assert_close(_run(module, store, x.float().double(), bias), _want(x, bias).float(),
                                    rtol=1e-6, atol=1e-6)
-    assert len(store) == 2 and fa4_launch.counters["recorded"] == 2
+    assert len(store) == 2 and fa4_launches.counters["recorded"] == 2
 
 
 @pytest.mark.parametrize("problem", ["python_op", "stray_tensor", "keep_missing"])
@@ -129,10 +129,10 @@ def test_what_cannot_be_replayed_stays_on_fa4s_path_and_right(monkeypatch, probl
         x = torch.randn(3, 4)
         got = _run(module, store, x, bias, keep=problem != "keep_missing")
         torch.testing.assert_close(got, _want(x, stray if problem == "stray_tensor" else bias), rtol=0, atol=0)
-    assert fa4_launch.counters["refused"] == 1 and "replayed" not in fa4_launch.counters
+    assert fa4_launches.counters["refused"] == 1 and "replayed" not in fa4_launches.counters
     why = {"python_op": "refused: aten.mul_.Tensor inside FA4's call", "stray_tensor": "refused: a tensor of unknown origin",
            "keep_missing": "refused: a tensor of unknown origin"}[problem]
-    assert fa4_launch.counters[why] == 1, dict(fa4_launch.counters)
+    assert fa4_launches.counters[why] == 1, dict(fa4_launches.counters)
     (record,) = store.values()
     assert record.refused and record.program is None
 
@@ -143,30 +143,30 @@ def test_a_signature_seen_once_is_not_recorded_and_a_compile_is_recorded_again(m
     module = _make_interface(monkeypatch)
     store, bias = {}, torch.randn(3, 4)
     _run(module, store, torch.randn(3, 4), bias)
-    assert not fa4_launch.counters and not next(iter(store.values())).program
+    assert not fa4_launches.counters and not next(iter(store.values())).program
     module.fwd.compile_cache.clear()  # as if the second call met a kernel not compiled yet
     for _ in range(3):
         x = torch.randn(3, 4)
         torch.testing.assert_close(_run(module, store, x, bias), _want(x, bias), rtol=0, atol=0)
-    assert fa4_launch.counters == {"retried": 1, "recorded": 1, "replayed": 1}
+    assert fa4_launches.counters == {"retried": 1, "recorded": 1, "replayed": 1}
 
 
 def test_switched_off_every_call_takes_fa4s_path(monkeypatch):
     module = _make_interface(monkeypatch)
-    monkeypatch.setattr(fa4_launch, "ENABLED", False)
+    monkeypatch.setattr(fa4_launches, "ENABLED", False)
     store, bias = {}, torch.randn(3, 4)
     for _ in range(3):
         x = torch.randn(3, 4)
         torch.testing.assert_close(_run(module, store, x, bias), _want(x, bias), rtol=0, atol=0)
-    assert not store and not fa4_launch.counters
+    assert not store and not fa4_launches.counters
 
 
 def test_the_signature_sees_shape_strides_dtype_and_alignment():
     base = torch.zeros(64, dtype=torch.bfloat16)
     a, b = base[:32], base[1:33]  # same shape and stride, 2 bytes apart: FA4 would copy the misaligned one
-    assert fa4_launch.signature([a]) != fa4_launch.signature([b])
-    assert fa4_launch.signature([a, None]) != fa4_launch.signature([a.view(4, 8)])
-    assert fa4_launch.signature([a]) == fa4_launch.signature([base[8:40]])  # 16 bytes on: the same
+    assert fa4_launches.signature([a]) != fa4_launches.signature([b])
+    assert fa4_launches.signature([a, None]) != fa4_launches.signature([a.view(4, 8)])
+    assert fa4_launches.signature([a]) == fa4_launches.signature([base[8:40]])  # 16 bytes on: the same
 
 
 def _fa4_on_gpu() -> bool:
@@ -186,11 +186,11 @@ def test_replayed_fa4_launches_equal_fa4s_own_path_on_the_gpu(monkeypatch, famil
     to FA4's own path, gradients within the atomics' reordering; later calls replayed, none refused.
     Covers the block-sparse path (whole rows, and a ring-like row window with a q offset), FA4's
     causal kernel and its varlen kernel (packed causal documents, known from the host mask)."""
-    from fm_parallel.kernels import cute_flashmask as cute
+    from fm_parallel.kernels.fa4 import backend as cute
 
     from fm_parallel import masks
 
-    monkeypatch.setattr(fa4_launch, "counters", fa4_launch.counters.__class__())
+    monkeypatch.setattr(fa4_launches, "counters", fa4_launches.counters.__class__())
     n, device = 2048, torch.device("cuda")
     host = {"sliding_window": masks.sliding_window(n, 300, sinks=4), "causal": masks.causal(n),
             "packed_docs": masks.document([700, 900, 448]), "docs_row_window": masks.document([700, 900, 448])}[family]
@@ -205,7 +205,7 @@ def test_replayed_fa4_launches_equal_fa4s_own_path_on_the_gpu(monkeypatch, famil
         dout = torch.randn_like(q)
         results = {}
         for enabled in (True, False):  # recorded first: the new mask's block lists are built in that call
-            monkeypatch.setattr(fa4_launch, "ENABLED", enabled)
+            monkeypatch.setattr(fa4_launches, "ENABLED", enabled)
             out, lse = cute.cute_fwd(q, k, v, mask, positions, 0.088, q_offset=q_offset)
             grads = cute.cute_bwd(q, k, v, out, lse, dout, mask, positions, 0.088, q_offset=q_offset)
             results[enabled] = (out, lse, *grads)
@@ -214,14 +214,14 @@ def test_replayed_fa4_launches_equal_fa4s_own_path_on_the_gpu(monkeypatch, famil
         for name, got, want in zip(("dq", "dk", "dv"), results[True][2:], results[False][2:]):
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item(),
                                        msg=f"{name}, call {call}")
-    assert fa4_launch.counters["replayed"] >= 4 and not fa4_launch.counters["refused"], dict(fa4_launch.counters)
-    assert fa4_launch.counters["recorded"] == 2  # forward and backward, once each
+    assert fa4_launches.counters["replayed"] >= 4 and not fa4_launches.counters["refused"], dict(fa4_launches.counters)
+    assert fa4_launches.counters["recorded"] == 2  # forward and backward, once each
 
 
 def test_the_environment_switches_the_replay_off():
     import subprocess
 
-    code = "from fm_parallel.kernels import fa4_launch; print(fa4_launch.ENABLED)"
+    code = "from fm_parallel.kernels.fa4 import launches; print(launches.ENABLED)"
     for value, want in (("0", "False"), ("1", "True"), (None, "True")):
         env = {k: v for k, v in __import__("os").environ.items() if k != "FM_PARALLEL_FA4_LAUNCH"}
         if value is not None:
@@ -256,33 +256,33 @@ def test_threads_record_one_at_a_time_and_leave_fa4s_caches_as_they_were(monkeyp
     for t in threads:
         t.join(timeout=120)
     assert not errors, errors
-    assert module.fwd.compile_cache is cache and not fa4_launch._recording.locked()
-    assert fa4_launch.counters["recorded"] >= 1 and fa4_launch.counters["replayed"] >= 1
+    assert module.fwd.compile_cache is cache and not fa4_launches._recording.locked()
+    assert fa4_launches.counters["recorded"] >= 1 and fa4_launches.counters["replayed"] >= 1
 
 
 def test_a_call_meeting_another_recording_takes_fa4s_path(monkeypatch):
     module = _make_interface(monkeypatch)
     store, bias = {}, torch.randn(3, 4)
     _run(module, store, torch.randn(3, 4), bias)  # first call: FA4's path
-    with fa4_launch._recording:  # another thread is recording
+    with fa4_launches._recording:  # another thread is recording
         x = torch.randn(3, 4)
         torch.testing.assert_close(_run(module, store, x, bias), _want(x, bias), rtol=0, atol=0)
-    assert not fa4_launch.counters
+    assert not fa4_launches.counters
     _run(module, store, torch.randn(3, 4), bias)
-    assert fa4_launch.counters == {"recorded": 1}
+    assert fa4_launches.counters == {"recorded": 1}
 
 
 def test_a_call_without_a_stable_key_takes_fa4s_path_and_records_nothing(monkeypatch):
-    """Zigzag shards' arbitrary rows: block lists made per call, no key (cute_flashmask passes None)."""
+    """Zigzag shards' arbitrary rows: block lists made per call, no key (the FA4 backend passes None)."""
     module = _make_interface(monkeypatch)
     store, bias = {}, torch.randn(3, 4)
     for _ in range(3):
         x = torch.randn(3, 4)
         out = torch.empty(4, 3)
         view = out.transpose(0, 1)
-        fa4_launch.launch(store, None, (x, view), lambda: (bias,), lambda made: module.fwd(x, view, bias))
+        fa4_launches.launch(store, None, (x, view), lambda: (bias,), lambda made: module.fwd(x, view, bias))
         torch.testing.assert_close(out, _want(x, bias), rtol=0, atol=0)
-    assert not store and not fa4_launch.counters
+    assert not store and not fa4_launches.counters
 
 
 @pytest.mark.parametrize("calls", [1, 2, 4])  # FA4's path, + the recording, + replays
@@ -309,7 +309,7 @@ def test_a_launch_frees_its_tensors_on_return_without_the_cyclic_gc(monkeypatch,
         assert [r for r in alive if r() is not None] == []
     finally:
         gc.enable()
-    assert fa4_launch.counters["replayed"] == max(calls - 2, 0)
+    assert fa4_launches.counters["replayed"] == max(calls - 2, 0)
 
 
 def test_temporaries_of_a_replay_are_freed_on_return(monkeypatch):
@@ -330,4 +330,4 @@ def test_temporaries_of_a_replay_are_freed_on_return(monkeypatch):
         assert made and [r for r in made if r() is not None] == []
     finally:
         gc.enable()
-    assert fa4_launch.counters["replayed"] == 1
+    assert fa4_launches.counters["replayed"] == 1

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fm_parallel import FlashMask, masks
-from fm_parallel.kernels.fa4_sparsity import fa4_block_sparsity
+from fm_parallel.kernels.fa4.sparsity import fa4_block_sparsity
 from fm_parallel.masks import TileClass
 from tests.masks.test_blocks import truth
 from tests.masks.test_flashmask import random_intervals
@@ -110,13 +110,13 @@ def test_dq_write_order_ranks_each_key_block_within_its_query_block(family):
 @pytest.mark.parametrize("head_dim,shape", [(64, (128, 128)), (96, (128, 128)), (128, (128, 128)),
                                             (160, (128, 96)), (192, (128, 96)), (256, (128, 64))])
 def test_tile_shape_follows_fa4_sm90_tiles(head_dim, shape):
-    from fm_parallel.kernels.fa4_sparsity import fa4_tile_shape
+    from fm_parallel.kernels.fa4.sparsity import fa4_tile_shape
 
     assert fa4_tile_shape(head_dim) == shape
 
 
 def test_tile_shape_rejects_head_dims_fa4_cannot_run():
-    from fm_parallel.kernels.fa4_sparsity import fa4_tile_shape
+    from fm_parallel.kernels.fa4.sparsity import fa4_tile_shape
 
     with pytest.raises(ValueError, match="head_dim: expected 8..256 for FA4's SM90 kernels, got 320"):
         fa4_tile_shape(320)
@@ -127,7 +127,7 @@ def test_packed_bounds_decode_to_the_mask_as_the_mask_mod_reads_them(offset):
     """The mask_mod's arithmetic, in torch: low 32 bits = first row, arithmetic >> 32 = last row, both
     relative to the offset, compared with the local query index; multi-interval, batch rows, empty
     intervals and rows that see nothing included."""
-    from fm_parallel.kernels.fa4_sparsity import pack_bounds
+    from fm_parallel.kernels.fa4.sparsity import pack_bounds
 
     i, j = torch.arange(90).view(-1, 1), torch.arange(90).view(1, -1)
     two_intervals = ((i >= j) & (i - j < 10)) | ((i >= 60) & (j < 50))
@@ -156,8 +156,8 @@ def assert_same_lists(got, want):
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_consecutive_builder_equals_the_dense_grid(family, monkeypatch):
     pytest.importorskip("triton")
-    from fm_parallel.kernels import triton_plan
-    from fm_parallel.kernels.fa4_sparsity import fa4_block_sparsity_consecutive
+    from fm_parallel.kernels.triton import plan as triton_plan
+    from fm_parallel.kernels.fa4.sparsity import fa4_block_sparsity_consecutive
 
     monkeypatch.setattr(triton_plan, "_CHUNK", 4)  # lists cross chunk boundaries
     m = FAMILIES[family]
@@ -169,8 +169,8 @@ def test_consecutive_builder_equals_the_dense_grid(family, monkeypatch):
 @pytest.mark.parametrize("seed", range(4))
 def test_consecutive_builder_on_row_slices_batches_and_kv_head_masks(seed, monkeypatch):
     pytest.importorskip("triton")
-    from fm_parallel.kernels import triton_plan
-    from fm_parallel.kernels.fa4_sparsity import fa4_block_sparsity_consecutive
+    from fm_parallel.kernels.triton import plan as triton_plan
+    from fm_parallel.kernels.fa4.sparsity import fa4_block_sparsity_consecutive
 
     monkeypatch.setattr(triton_plan, "_CHUNK", 4)
     fms, fme, _ = random_intervals(2, 2, 70, 70, 1 + seed % 3, seed=seed)
@@ -189,7 +189,7 @@ def test_cost_order_runs_every_block_of_every_head_once_heavy_buckets_first(fami
     """The CTA order of the cost-ordered schedule, decoded as the kernel does: every (kernel block,
     head-batch entry) exactly once; buckets of visited tiles (from the dense picture) never lighter
     before heavier; within a bucket one entry after the other, its blocks heaviest first."""
-    from fm_parallel.kernels.fa4_sparsity import cost_order
+    from fm_parallel.kernels.fa4.sparsity import cost_order
     from fm_parallel.kernels.plan import launch_items
 
     m = FAMILIES[family]
@@ -216,7 +216,7 @@ def test_cost_order_runs_every_block_of_every_head_once_heavy_buckets_first(fami
 def test_cost_order_puts_the_heavy_blocks_of_global_rows_and_sinks_first():
     """Global rows (query block 0 reads every key) lead the forward; attention sinks (key block 0 is
     read by every row) lead the backward; the last rows of a causal mask lead its forward."""
-    from fm_parallel.kernels.fa4_sparsity import cost_order
+    from fm_parallel.kernels.fa4.sparsity import cost_order
     from fm_parallel.kernels.plan import launch_items
 
     n = 4096

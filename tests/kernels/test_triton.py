@@ -174,7 +174,7 @@ def test_backward_is_bitwise_reproducible_and_deterministic_true_is_accepted():
 
 
 def test_64_bit_offsets_are_chosen_past_2_to_the_31_elements():
-    from fm_parallel.kernels import triton_flashmask as tf
+    from fm_parallel.kernels.triton import backend as tf
 
     m = masks.causal(1 << 20)
     small = torch.empty(1, 16, 1 << 20, 128, device="meta")  # 2^31 elements: offsets up to 2^31 - 1 still fit
@@ -188,7 +188,7 @@ def test_64_bit_offsets_are_chosen_past_2_to_the_31_elements():
 
 def test_64_bit_offset_path_matches_the_reference(monkeypatch):
     """The WIDE variant (forced on small shapes) computes exactly what the 32-bit one does."""
-    from fm_parallel.kernels import triton_flashmask as tf
+    from fm_parallel.kernels.triton import backend as tf
 
     meta = tf._meta
     monkeypatch.setattr(tf, "_meta", lambda *a: {**meta(*a), "WIDE": True})
@@ -199,7 +199,7 @@ def test_64_bit_offset_path_matches_the_reference(monkeypatch):
 
 
 def test_backward_preprocess_kernel_matches_torch():
-    from fm_parallel.kernels import triton_flashmask as tf
+    from fm_parallel.kernels.triton import backend as tf
 
     g = torch.Generator().manual_seed(3)
     out, dout = (torch.randn(2, 3, 37, 24, generator=g).to(DEVICE) for _ in range(2))

@@ -1,4 +1,4 @@
-"""The Triton plan builder (kernels/triton_plan.py) equals the PyTorch builders array for array.
+"""The Triton plan builder (kernels/triton/plan.py) equals the PyTorch builders array for array.
 
 Under the interpreter on the CPU; a program's scan is cut into chunks of 8 inner blocks here, so runs
 that cross chunk boundaries are exercised (the GPU uses 1024)."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fm_parallel import FlashMask, masks
-from fm_parallel.kernels import triton_plan
+from fm_parallel.kernels.triton import plan as triton_plan
 from fm_parallel.kernels.plan import build_plans, build_plans_consecutive
 from tests.kernels.test_plan_consecutive import assert_same, random_case
 from tests.test_reference import mask_families

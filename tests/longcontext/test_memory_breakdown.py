@@ -13,7 +13,7 @@ GIB = 2**30
 
 OURS = "/work/repo/fm_parallel/longcontext/tiling.py"
 BENCH = "/work/repo/launch/bench/max_context.py"
-KERNEL = "/work/repo/kernels/triton_flashmask.py"
+KERNEL = "/work/repo/kernels/triton/backend.py"
 TORCH = "/venv/lib/python3.11/site-packages/torch/nn/functional.py"
 PEFT = "/venv/lib/python3.11/site-packages/peft/tuners/lora/layer.py"
 HF_KERNELS = "/venv/lib/python3.11/site-packages/kernels/layer.py"  # the PyPI `kernels` package: not ours
@@ -97,14 +97,14 @@ def test_terms_are_named_by_the_innermost_frame_of_ours_else_torch_else_unknown(
     assert terms(out) == {
         "fm_parallel/longcontext/tiling.py:tile_forward": (65, 2),
         "launch/bench/max_context.py:_step": (32, 1),
-        "kernels/triton_flashmask.py:flashmask_fwd": (16, 1),
+        "kernels/triton/backend.py:flashmask_fwd": (16, 1),
         "torch:torch/nn/functional.py:linear": (8, 1),
         "torch:kernels/layer.py:forward": (4, 1),
         "unknown": (2, 1),
     }
     assert [t["where"] for t in out["terms"]][:3] == ["fm_parallel/longcontext/tiling.py:tile_forward",
                                                      "launch/bench/max_context.py:_step",
-                                                     "kernels/triton_flashmask.py:flashmask_fwd"]  # largest first
+                                                     "kernels/triton/backend.py:flashmask_fwd"]  # largest first
     tile = out["terms"][0]
     assert [(i["where"], round(i["gib"] * GIB / MIB)) for i in tile["inner"]] == [("peft/tuners/lora/layer.py:forward", 65)]
 

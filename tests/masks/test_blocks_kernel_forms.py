@@ -33,6 +33,6 @@ def test_the_range_form_reads_the_same_classes():
 
 
 def test_fa4_sparsity_takes_the_exported_helper():
-    from fm_parallel.kernels import fa4_sparsity
+    from fm_parallel.kernels.fa4 import sparsity as fa4_sparsity
 
     assert fa4_sparsity.tile_classes is tile_classes and not hasattr(fa4_sparsity, "_classes")

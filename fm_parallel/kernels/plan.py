@@ -9,7 +9,7 @@ runs per block, so the plan is O(N / block) integers, built once per mask and bl
 The classification itself is :mod:`fm_parallel.masks.blocks` (:func:`~fm_parallel.masks.blocks.tile_classes`
 for any rows, :func:`~fm_parallel.masks.blocks.consecutive_tile_ranges` and
 :func:`~fm_parallel.masks.blocks.classes_in_ranges` for consecutive rows); this module only lays its
-result out for kernels. The Triton builder (:mod:`.triton_plan`) returns the same arrays, which
+result out for kernels. The Triton builder (:mod:`fm_parallel.kernels.triton.plan`) returns the same arrays, which
 :func:`build_plans_consecutive` lays out here (that module imports nothing from this one).
 """
 
@@ -64,8 +64,8 @@ def _runs(flag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # Cost buckets of the launch order (powers of two of the tiles a block visits): 2^24 tiles is far past
-# any sequence a GPU holds. The kernels' decoders loop over them (triton_kernels._program_ids,
-# cute_fa4_patches.CostOrderScheduler).
+# any sequence a GPU holds. The kernels' decoders loop over them (triton.kernels._program_ids,
+# fa4.cost_schedule.CostOrderScheduler).
 ORDER_BUCKETS = 24
 
 
@@ -252,7 +252,7 @@ def consecutive_ranges(mask: FlashMask, row_offset: int, num_rows: int, block_m:
 
 def packed_ranges(ranges) -> torch.Tensor:
     """``[R, T_k, M]`` x 4 -> ``[R, 4 * M, T_k]`` int32, each field contiguous along the key blocks
-    (the layout of :mod:`.triton_plan`)."""
+    (the layout of :mod:`fm_parallel.kernels.triton.plan`)."""
     r, tk = ranges[0].shape[:2]
     return torch.stack(ranges, dim=-1).permute(0, 2, 3, 1).reshape(r, -1, tk).to(torch.int32)
 
@@ -262,14 +262,14 @@ def build_plans_consecutive(mask: FlashMask, row_offset: int, num_rows: int, blo
     """``build_plans`` for the consecutive query rows ``row_offset .. row_offset + num_rows - 1``,
     without classifying every tile (see the section comment). Same result, O(N / block) work.
 
-    ``builder``: ``"torch"`` (the operations below), ``"triton"`` (:mod:`.triton_plan`: four kernel
+    ``builder``: ``"torch"`` (the operations below), ``"triton"`` (:mod:`fm_parallel.kernels.triton.plan`: four kernel
     launches and one sync, what a GPU wants), or ``"auto"``: Triton for a mask on CUDA up to
     ``_TRITON_MAX_TILES`` tiles per mask row, PyTorch beyond."""
     if builder not in ("auto", "torch", "triton"):
         raise ValueError(f"builder: expected 'auto', 'torch' or 'triton', got {builder!r}")
     ranges, tq, tk = consecutive_ranges(mask, row_offset, num_rows, block_m, block_n)
     if builder == "triton" or (builder == "auto" and mask.device.type == "cuda" and tq * tk <= _TRITON_MAX_TILES):
-        from fm_parallel.kernels.triton_plan import plans_from_ranges
+        from fm_parallel.kernels.triton.plan import plans_from_ranges
 
         arrays = plans_from_ranges(packed_ranges(ranges), tq, block_m, block_n)
     else:

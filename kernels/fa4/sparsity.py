@@ -1,7 +1,7 @@
 """What FlashAttention-4's kernels take from a FlashMask: block-sparsity tensors (through the shared
 tile rule) and the column bounds packed for the ``mask_mod`` (:func:`pack_bounds`).
 
-FA4's CuTe kernels (``flash_attn.cute``, pinned ``flash-attn-4==4.0.0b36``) take block sparsity as
+FA4's CuTe kernels (``flash_attn.cute``, the version :mod:`.pin` names) take block sparsity as
 dense index lists: per query block, the count and indices of fully visible key blocks (run without
 ``mask_mod``) and of partial key blocks (run with it); the backward takes the transposed lists, per
 key block. Skipped tiles appear in neither. This module builds both from the same classification as
@@ -14,7 +14,7 @@ FA4 expands it), except that a mask with one head per KV head is repeated to the
 (FA4 counts per query head). Within a list the block indices ascend; entries past the count are 0.
 
 The tile shape must be one FA4's SM90 kernels accept in both passes (:func:`fa4_tile_shape`); the
-kernel-side half, the ``mask_mod``, is :mod:`.cute_mask_mod`, and the backend :mod:`.cute_flashmask`.
+kernel-side half, the ``mask_mod``, is :mod:`.mask_mod`, and the backend :mod:`.backend`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from fm_parallel.masks.blocks import TileClass, tile_classes
 from fm_parallel.masks.flashmask import FlashMask
 
-from .plan import consecutive_ranges, launch_order, packed_ranges
+from fm_parallel.kernels.plan import consecutive_ranges, launch_order, packed_ranges
 
 __all__ = ["BLOCK_Q", "FA4BlockSparsity", "cost_order", "fa4_block_sparsity", "fa4_block_sparsity_consecutive",
            "fa4_tile_shape", "pack_bounds"]
@@ -53,7 +53,7 @@ def fa4_tile_shape(head_dim: int) -> tuple[int, int]:
 
     FA4 needs the sparse key block equal to its key tile in both passes and the query block a
     multiple of its query tile (flash_attn/cute/interface.py, ``_tile_size_fwd_sm90`` /
-    ``_tile_size_bwd_sm90`` and the block-sparse fitting of 4.0.0b36). Key tiles: forward 128 for
+    ``_tile_size_bwd_sm90`` and the block-sparse fitting of the pinned version). Key tiles: forward 128 for
     D <= 128, 128/112 -> fitted down to 96 for D <= 192 (backward 96), 80 -> fitted to 64 for D <= 256
     (backward 64 with sparsity); query tiles 64..128 divide 128 everywhere.
     """
@@ -111,9 +111,9 @@ class FA4BlockSparsity:
 
 def cost_order(lists: FA4BlockSparsity) -> torch.Tensor:
     """The order in which FA4's CTAs run one pass's outer blocks (query blocks; key blocks when
-    ``transposed``): :func:`.plan.launch_order` of the tiles each visits (full + partial, summed over
+    ``transposed``): :func:`fm_parallel.kernels.plan.launch_order` of the tiles each visits (full + partial, summed over
     the lists' batch and heads), the order the Triton plans use too. Read by
-    :class:`.cute_fa4_patches.CostOrderScheduler` from the last auxiliary tensor."""
+    :class:`.cost_schedule.CostOrderScheduler` from the last auxiliary tensor."""
     cost = lists.full_block_cnt + lists.mask_block_cnt  # [B, H, T]
     return launch_order(cost.sum((0, 1)), cost.shape[0] * cost.shape[1])
 
@@ -152,7 +152,7 @@ def fa4_block_sparsity(mask: FlashMask, block_q: int, block_k: int, num_heads: i
     """(forward, backward) block sparsity of ``mask`` for query rows at ``positions`` (default all
     ``mask.num_rows`` rows) in ``block_q x block_k`` tiles. ``num_heads``: the query heads, needed
     when the mask has one head per KV head. ``write_order``: also the backward's ``dq_write_order``
-    for FA4's deterministic block-sparse backward (SM100; 4.0.0b36 has none on SM90)."""
+    for FA4's deterministic block-sparse backward (SM100; the pinned version has none on SM90)."""
     _check_tile_shape(block_q, block_k)
     if positions is None:
         positions = torch.arange(mask.num_rows, device=mask.device)
@@ -180,10 +180,10 @@ def fa4_block_sparsity(mask: FlashMask, block_q: int, block_k: int, num_heads: i
 def fa4_block_sparsity_consecutive(mask: FlashMask, block_q: int, block_k: int, num_heads: int | None,
                                    row_offset: int, num_rows: int) -> tuple[FA4BlockSparsity, FA4BlockSparsity]:
     """:func:`fa4_block_sparsity` for the consecutive rows ``row_offset .. row_offset + num_rows - 1``
-    (a whole mask, a ring chunk), built on the GPU by :func:`.triton_plan.lists_from_ranges` from the
+    (a whole mask, a ring chunk), built on the GPU by :func:`fm_parallel.kernels.triton.plan.lists_from_ranges` from the
     tile ranges: two kernel launches and about thirty small operations, no host sync, instead of the
     dense tile grid's compaction (what a new mask costs per call). Same lists (tested)."""
-    from .triton_plan import lists_from_ranges
+    from fm_parallel.kernels.triton.plan import lists_from_ranges
 
     _check_tile_shape(block_q, block_k)
     ranges, tq, tk = consecutive_ranges(mask, row_offset, num_rows, block_q, block_k)

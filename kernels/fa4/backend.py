@@ -1,9 +1,9 @@
 """FlashMask on FlashAttention-4's CuTe DSL kernels (``impl="cute"``, Hopper).
 
-FA4 (``flash-attn-4==4.0.0b36``, the ``[cute]`` extra) takes two things from us: block-sparsity lists
-(which key tiles each query tile visits, and which of them need masking; :mod:`.fa4_sparsity`,
+FA4 (the ``[cute]`` extra, the version :mod:`.pin` names) takes two things from us: block-sparsity lists
+(which key tiles each query tile visits, and which of them need masking; :mod:`.sparsity`,
 built from the same tile rule as the Triton plans) and a ``mask_mod`` that evaluates the FlashMask
-inside partial tiles from the column bounds (:mod:`.cute_mask_mod`). Fully visible tiles run
+inside partial tiles from the column bounds (:mod:`.mask_mod`). Fully visible tiles run
 FA4's unmasked path; skipped tiles are never loaded.
 
 Masks that are plain causal or packed causal documents over whole sequences, and say so without a
@@ -31,10 +31,12 @@ import itertools
 import torch
 from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
-from fm_parallel.kernels import cute_fa4_patches, fa4_launch
+from fm_parallel.derived import derived_for_mask
+from fm_parallel.kernels.fa4 import launches as fa4_launches
+from fm_parallel.kernels.fa4 import patches as fa4_patches
 from fm_parallel.kernels.custom_op import define_attention_op
-from fm_parallel.kernels.cute_mask_mod import flashmask_mask_mod
-from fm_parallel.kernels.fa4_sparsity import (cost_order, fa4_block_sparsity, fa4_block_sparsity_consecutive,
+from fm_parallel.kernels.fa4.mask_mod import flashmask_mask_mod
+from fm_parallel.kernels.fa4.sparsity import (cost_order, fa4_block_sparsity, fa4_block_sparsity_consecutive,
                                               fa4_tile_shape, pack_bounds)
 from fm_parallel.masks.flashmask import FlashMask
 
@@ -42,10 +44,12 @@ __all__ = ["attention", "forward", "backward", "cute_fwd", "cute_bwd", "paths", 
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
-cute_fa4_patches.install()
-# What the FA4 changes of :mod:`.cute_fa4_patches` apply to our kernels (a benchmark may switch them
+fa4_patches.install()
+# What the FA4 changes of :mod:`.patches` apply to our kernels (a benchmark may switch them
 # off to measure them; each setting compiles its own kernels).
-OPTIONS = cute_fa4_patches.Options()
+OPTIONS = fa4_patches.Options()
+# What this backend derives from masks (block lists, packed bounds, cu_seqlens, recorded launches).
+_DERIVED = derived_for_mask("fa4")
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,9 +77,9 @@ def _bshd(t: torch.Tensor) -> torch.Tensor:
 
 def _sparsity(mask: FlashMask, positions: torch.Tensor, num_heads: int, head_dim: int, q_offset: int | None):
     """FA4's (forward, backward) block-sparse tensors and, for the cost-ordered schedule (the default
-    :data:`OPTIONS`), each pass's CTA order (``None`` otherwise); cached on the mask for consecutive rows."""
+    :data:`OPTIONS`), each pass's CTA order (``None`` otherwise); cached per mask (this backend's store) for consecutive rows."""
     block_q, block_k = fa4_tile_shape(head_dim)
-    ordered = OPTIONS.schedule == "cost" and cute_fa4_patches.install()  # unpatched FA4 would not read it
+    ordered = OPTIONS.schedule == "cost" and fa4_patches.install()  # unpatched FA4 would not read it
 
     def finish(fwd, bwd):
         orders = (cost_order(fwd), cost_order(bwd)) if ordered else (None, None)
@@ -88,7 +92,7 @@ def _sparsity(mask: FlashMask, positions: torch.Tensor, num_heads: int, head_dim
         return finish(*fa4_block_sparsity_consecutive(mask, block_q, block_k, num_heads, q_offset, positions.numel()))
 
     key = ("fa4_sparsity", block_q, block_k, num_heads, q_offset, positions.numel(), ordered)
-    return mask.cached(key, make)
+    return _DERIVED.get((mask,), key, make)
 
 
 def _mask_args(mask: FlashMask, positions: torch.Tensor, num_heads: int, q_offset: int | None,
@@ -99,7 +103,7 @@ def _mask_args(mask: FlashMask, positions: torch.Tensor, num_heads: int, q_offse
     explicit = q_offset is None
     mask_mod = flashmask_mask_mod(mask.batch == 1, num_heads // mask.heads, mask.max_intervals, explicit, OPTIONS)
     offset = 0 if explicit else q_offset
-    bounds = mask.cached(("fa4_bounds", offset), lambda: pack_bounds(mask.fms, mask.fme, offset))
+    bounds = _DERIVED.get((mask,), ("fa4_bounds", offset), lambda: pack_bounds(mask.fms, mask.fme, offset))
     aux = [bounds, positions.to(torch.int32).contiguous()] if explicit else [bounds]
     return mask_mod, aux if order is None else [*aux, order]
 
@@ -131,7 +135,7 @@ def _dense_path(mask: FlashMask, q: torch.Tensor, k: torch.Tensor, q_offset: int
         cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).pin_memory()
         return cu.to(q.device, non_blocking=True)
 
-    return "fa4_varlen", mask.cached(("cu_seqlens", lengths), upload), max(lengths)
+    return "fa4_varlen", _DERIVED.get((mask,), ("cu_seqlens", lengths), upload), max(lengths)
 
 
 def _varlen(t: torch.Tensor) -> torch.Tensor:
@@ -140,9 +144,9 @@ def _varlen(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launches(mask: FlashMask) -> dict:
-    """The mask's recorded FA4 launches (:mod:`.fa4_launch`): they keep its block lists and bounds, and
+    """The mask's recorded FA4 launches (:mod:`.launches`): they keep its block lists and bounds, and
     go with it."""
-    return mask.cached("fa4_launches", dict)
+    return _DERIVED.get((mask,), "fa4_launches", dict)
 
 
 def _block_sparse_key(phase: str, scale: float, q_offset: int | None, positions: torch.Tensor) -> tuple | None:
@@ -173,7 +177,7 @@ def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_
             def call(_):
                 _flash_attn_fwd(*args[:3], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
                                 softmax_scale=scale, causal=True, return_lse=True, out=args[3], lse=args[4])
-        fa4_launch.launch(_launches(mask), ("fwd", path, scale, longest), args, lambda: (cu,), call)
+        fa4_launches.launch(_launches(mask), ("fwd", path, scale, longest), args, lambda: (cu,), call)
         return out, lse
     paths["block_sparse"] += 1
     hq, d = q.shape[1], q.shape[-1]
@@ -189,7 +193,7 @@ def cute_fwd(q, k, v, mask: FlashMask, positions: torch.Tensor, scale: float, q_
         _flash_attn_fwd(*args[:3], softmax_scale=scale, mask_mod=mask_mod, aux_tensors=aux,
                         block_sparse_tensors=sparsity, return_lse=True, out=args[3], lse=args[4])
 
-    fa4_launch.launch(_launches(mask), _block_sparse_key("fwd", scale, q_offset, positions), args, prepare, call)
+    fa4_launches.launch(_launches(mask), _block_sparse_key("fwd", scale, q_offset, positions), args, prepare, call)
     return out, lse
 
 
@@ -198,7 +202,7 @@ def cute_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, 
     """Backward from the (possibly ring-merged) ``out`` and ``lse``: ``(dq, dk, dv)`` like the inputs.
     ``dlse``: the gradient reaching ``lse`` (the ring merge produces one).
 
-    FA4 4.0.0b36 has no deterministic block-sparse backward on SM90 (it asserts): dQ is always added
+    The pinned FA4 has no deterministic block-sparse backward on SM90 (it asserts): dQ is always added
     with atomics here. ``flashmask_attention`` refuses ``impl="cute", deterministic=True`` at its
     boundary; ``deterministic`` is accepted for the shared launcher interface."""
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
@@ -218,7 +222,7 @@ def cute_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, 
             def call(_):
                 _flash_attn_bwd(*args[:6], scale, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
                                 max_seqlen_k=longest, dlse=args[6], dq=args[7], dk=args[8], dv=args[9])
-        fa4_launch.launch(_launches(mask), ("bwd", path, scale, longest), args, lambda: (cu,), call)
+        fa4_launches.launch(_launches(mask), ("bwd", path, scale, longest), args, lambda: (cu,), call)
         return dq, dk, dv
     hq, d = q.shape[1], q.shape[-1]
     args = (_bshd(q), _bshd(k), _bshd(v), _bshd(out), _bshd(dout), lse.contiguous(),
@@ -233,7 +237,7 @@ def cute_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale: float, 
         _flash_attn_bwd(*args[:6], scale, deterministic=False, mask_mod=mask_mod, aux_tensors=aux,
                         block_sparse_tensors=sparsity, dlse=args[6], dq=args[7], dk=args[8], dv=args[9])
 
-    fa4_launch.launch(_launches(mask), _block_sparse_key("bwd", scale, q_offset, positions), args, prepare, call)
+    fa4_launches.launch(_launches(mask), _block_sparse_key("bwd", scale, q_offset, positions), args, prepare, call)
     return dq, dk, dv
 
 

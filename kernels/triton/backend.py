@@ -3,7 +3,8 @@
 ``attention(q, k, v, mask, positions, scale)`` is the backend entry point used by
 ``fm_parallel.flashmask_attention``; ``flashmask_fwd`` / ``flashmask_bwd`` are the launchers that
 the distributed wrappers call directly with their own merge logic. Block plans are built from the
-shared tile rule (plan.py) once per mask, block shape and query offset, and cached on the mask.
+shared tile rule (plan.py) once per mask, block shape and query offset, and kept in this backend's store
+(:func:`fm_parallel.derived.derived_for_mask`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from fm_parallel.derived import derived_for_mask
 from fm_parallel.kernels.custom_op import define_attention_op
 from fm_parallel.kernels.plan import BlockSparsePlan, build_plan, build_plans_consecutive
-from fm_parallel.kernels.triton_kernels import (
+from fm_parallel.kernels.triton.kernels import (
     LOG2E,
     flashmask_bwd_delta_kernel,
     flashmask_bwd_kv_kernel,
@@ -24,6 +26,9 @@ from fm_parallel.kernels.triton_kernels import (
     flashmask_fwd_kernel,
 )
 from fm_parallel.masks.flashmask import FlashMask
+
+# What this backend derives from masks: launch plans per block shape and row offset.
+_DERIVED = derived_for_mask("triton")
 
 __all__ = ["attention", "forward", "backward", "flashmask_fwd", "flashmask_bwd", "unsupported_inputs", "KernelConfig", "config_for"]
 
@@ -67,7 +72,7 @@ def _plan(mask: FlashMask, positions: torch.Tensor, cfg: KernelConfig, transpose
     # Consecutive rows: the range-based builder, O(N / block) instead of classifying every tile.
     key = ("triton_plans", cfg.block_m, cfg.block_n, q_offset, positions.numel())
     make = lambda: build_plans_consecutive(mask, q_offset, positions.numel(), cfg.block_m, cfg.block_n)  # noqa: E731
-    return mask.cached(key, make)[int(transposed)]
+    return _DERIVED.get((mask,), key, make)[int(transposed)]
 
 
 def _span(t: torch.Tensor) -> int:
@@ -199,7 +204,7 @@ def flashmask_bwd(q, k, v, out, lse, dout, mask: FlashMask, positions, scale, dl
     return bwd_q(q, k, v, dout, lse, delta, mask, positions, scale, q_offset), dk, dv
 
 
-# Registered as torch.library custom ops (kernels/custom_op.py): no graph breaks under torch.compile,
+# Registered as torch.library custom ops (fm_parallel/kernels/custom_op.py): no graph breaks under torch.compile,
 # and a new mask is new data, never a new graph.
 attention = define_attention_op("flashmask", flashmask_fwd, flashmask_bwd)
 # The launcher names of the backend interface (fm_parallel/backends.py).

@@ -6,13 +6,13 @@ skipped tiles are never visited). It returns ``OR_m (fms[b, h, j, m] <= row(i) <
 the rule of :meth:`fm_parallel.masks.FlashMask.to_dense`, reading:
 
     aux_tensors[0] = bounds [Bm, Hm, Nk, M] int64   (fme << 32) | (fms & 0xffffffff), see
-                                                    fa4_sparsity.pack_bounds
+                                                    sparsity.pack_bounds
     aux_tensors[1] = rows   [Nq] int32              global row of each local query (explicit rows only)
 
 Loads are what a mask_mod costs: FA4 evaluates it element by element and the compiler does not share
 loads between the elements a thread holds (checked in the PTX: one load per element per tensor).
 So both bounds of an interval come in one 64-bit load, and for consecutive rows (``q_offset``: whole
-masks, ring chunks) the bounds are shifted by the offset beforehand (:func:`.fa4_sparsity.pack_bounds`), making the
+masks, ring chunks) the bounds are shifted by the offset beforehand (:func:`.sparsity.pack_bounds`), making the
 local ``q_idx`` the row: one load per element and interval. Arbitrary rows (zigzag shards) read
 ``rows[q_idx]`` as well. The indices FA4 passes stay in bounds past the last tile: with auxiliary
 tensors it wraps ``q_idx`` / ``kv_idx`` modulo the sequence lengths and masks those scores itself.
@@ -33,7 +33,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 from flash_attn.cute import utils as fa4_utils
 
-from .cute_fa4_patches import FlashMaskSpec, Options, register
+from fm_parallel.kernels.fa4.spec import FlashMaskSpec, Options, register
 
 __all__ = ["flashmask_mask_mod"]
 
@@ -45,7 +45,7 @@ def flashmask_mask_mod(batch_broadcast: bool, q_per_mask_head: int, intervals: i
     mask head, ``intervals`` intervals per column (1..4), and rows read from ``aux_tensors[1]``
     (``explicit_rows``) or equal to the local query index (bounds packed with the row offset).
 
-    The function is registered with :mod:`.cute_fa4_patches`: where ``options`` ask for it (default),
+    The function is registered with :mod:`.patches`: where ``options`` ask for it (default),
     FA4 kernels traced with it mask column-first and run their CTAs heaviest first (both passes); the
     per-score body below is what FA4 runs otherwise (PackGQA where the packed heads do not share a
     mask head, or FA4 not the pinned version)."""

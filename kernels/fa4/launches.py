@@ -1,7 +1,7 @@
 """FA4 calls replayed without FA4's Python: the compiled kernels of one call, recorded once per
 signature and called directly afterwards.
 
-FA4's interface functions (``_flash_attn_fwd`` / ``_flash_attn_bwd``, pinned ``4.0.0b36``) spend
+FA4's interface functions (``_flash_attn_fwd`` / ``_flash_attn_bwd``, the pinned version, :mod:`.pin`) spend
 0.3-0.5 ms of Python per call (argument checks, configuration, compile-key hashing) before they call
 their compiled kernels. Context parallelism calls them for every chunk a rank sees, forward and
 backward, in every layer: that Python was the largest part of the ring's host time on the H200
@@ -94,7 +94,7 @@ def launch(store: dict, key: tuple, inputs: tuple, prepare, call) -> None:
     its recorded program for ``inputs`` of the same :func:`signature`.
 
     Args:
-        store: where records live, as long as the tensors ``prepare`` returns (the mask's cache).
+        store: where records live, as long as the tensors ``prepare`` returns (the FA4 backend's store for the mask).
         key: the rest of the signature (scale, options, which FA4 path, ...); None where the call has
             no stable one (it then runs FA4's own path, recording nothing).
         inputs: every tensor of this call that may differ between calls with this ``key``, exactly as

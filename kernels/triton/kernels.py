@@ -12,7 +12,7 @@ Pointer names: ``p_*`` are pointers, ``b_*`` are blocks in registers.
 import triton
 import triton.language as tl
 
-from .plan import ORDER_BUCKETS as _ORDER_BUCKETS
+from fm_parallel.kernels.plan import ORDER_BUCKETS as _ORDER_BUCKETS
 
 ORDER_BUCKETS = tl.constexpr(_ORDER_BUCKETS)  # the launch order's buckets (plan.launch_order)
 
