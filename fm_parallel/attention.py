@@ -13,7 +13,6 @@ import math
 import torch
 
 from fm_parallel import backends
-from fm_parallel.dense import dense_attention
 from fm_parallel.masks import builders
 from fm_parallel.masks.flashmask import FlashMask
 from fm_parallel.masks.intervals import MaskNotExpressible
@@ -239,12 +238,9 @@ def flashmask_attention(
             raise ValueError(f"mask: expected a FlashMask, got {type(mask).__name__}")
         _check_mask(mask, b, hq, hkv, nk, q.device, last_row)
 
-    if impl == "dense":
-        if dense_rows is None:
-            dense_rows = lambda r0, r1: mask.to_dense(rows=positions[r0:r1])  # noqa: E731
-        out, lse = dense_attention(q, k, v, dense_rows, scale)
-    else:
-        offset = q_offset if q_positions is None else None  # lets the backend cache its launch plan
-        extra = {"block_size": block_size} if impl == "torch" else {}
-        out, lse = backends.get(impl).attention(q, k, v, mask, positions, scale, offset, deterministic, **extra)
+    offset = q_offset if q_positions is None else None  # lets the backend cache its launch plan
+    extra = {"block_size": block_size} if impl == "torch" else {}
+    if dense_rows is not None:  # a mask no FlashMask expresses: only the dense backend takes one
+        extra["mask_rows"] = dense_rows
+    out, lse = backends.get(impl).attention(q, k, v, mask, positions, scale, offset, deterministic, **extra)
     return (out, lse) if return_lse else out

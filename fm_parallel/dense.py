@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fm_parallel.heads import group_queries, mask_heads_as_groups
 
-__all__ = ["dense_attention"]
+__all__ = ["dense_attention", "attention"]
 
 MaskRows = Callable[[int, int], torch.Tensor]
 
@@ -59,3 +59,15 @@ def dense_attention(
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+# The backend entry (``impl="dense"``, fm_parallel/backends.py): not chunked (no forward / backward
+# launchers for the ring), so it runs only where the whole mask is local.
+def attention(q, k, v, mask, positions, scale: float, q_offset: int | None = None, deterministic: bool = True,
+              mask_rows: MaskRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of :func:`dense_attention` under ``mask`` (a FlashMask, pictured a chunk of rows
+    at a time at ``positions``), or under ``mask_rows`` when given (a dense mask no FlashMask expresses).
+    Deterministic whatever ``deterministic`` says (plain PyTorch)."""
+    if mask_rows is None:
+        mask_rows = lambda r0, r1: mask.to_dense(rows=positions[r0:r1])  # noqa: E731
+    return dense_attention(q, k, v, mask_rows, scale)

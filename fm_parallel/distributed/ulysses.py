@@ -13,10 +13,13 @@ every rank holds the one K/V head its query heads need; their gradients are summ
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
-from fm_parallel.attention import flashmask_attention
+from fm_parallel import backends
+from fm_parallel.attention import autocast_inputs
 from fm_parallel.distributed import comm
 from fm_parallel.distributed.comm import wait_with_deadline
 from fm_parallel.distributed.prepared import PreparedMask, for_call
@@ -160,8 +163,12 @@ def ulysses_attention(
     order, inverse = prepared.derived(("ulysses order", q.device), lambda: _orders(prepared.plan, q.device))
     local_mask = prepared.derived(("ulysses mask", rank, world, hq, hkv, repeat),
                                   lambda: _rank_mask(prepared.mask, rank, world, hq, hkv, repeat))
-    qs, ks, vs = (t.index_select(2, inverse) for t in (qh, kh, vh))
-    out = flashmask_attention(qs, ks, vs, mask=local_mask, scale=scale, impl=impl)
+    qs, ks, vs = autocast_inputs(*(t.index_select(2, inverse) for t in (qh, kh, vh)))
+    # The kernel the agreement resolved, called as the ring calls it (no second resolution or check):
+    # all rows of the sequence, consecutive from 0, for this rank's heads.
+    rows = prepared.derived(("ulysses rows", qs.shape[2], q.device), lambda: torch.arange(qs.shape[2], device=q.device))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out, _ = backends.get(impl).attention(qs, ks, vs, local_mask, rows, scale, 0, False)
     return heads_to_seq(out.index_select(2, order), group)
 
 
