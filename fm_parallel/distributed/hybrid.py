@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from fm_parallel.distributed.prepared import PreparedMask, _prepare, for_call
-from fm_parallel.distributed.ring import RingStats, _ring
+from fm_parallel.distributed.prepared import PreparedMask, check_grid_mesh, for_call, prepare_agreed
+from fm_parallel.distributed.ring import RingStats, ring_agreed
 from fm_parallel.distributed.sharding import ShardPlan
-from fm_parallel.distributed.ulysses import _rank_mask, heads_to_seq, seq_to_heads, ulysses_heads
+from fm_parallel.distributed.ulysses import heads_to_seq, rank_heads_mask, seq_to_heads, ulysses_heads
 from fm_parallel.masks.flashmask import FlashMask
 
 __all__ = ["hybrid_attention", "group_plan"]
@@ -52,9 +52,7 @@ def hybrid_attention(
     Returns:
         ``[B, Hq, N / (R U), Dv]``. Differentiable.
     """
-    names = getattr(mesh, "mesh_dim_names", None)
-    if names is None or tuple(names) != ("ring", "ulysses"):
-        raise ValueError(f"mesh: expected a 2-D DeviceMesh with dims ('ring', 'ulysses'), got dims {names}")
+    check_grid_mesh(mesh)
     r, u = mesh["ring"].size(), mesh["ulysses"].size()
     # One agreement over the whole grid (Ulysses then ring groups) on every call, before
     # the first all-to-all: a rank that disagrees or fails a check raises the same error on every rank
@@ -71,11 +69,11 @@ def hybrid_attention(
         ring_plan, sorts = group_plan(prepared.plan, r, u)
         # From the loader's host mask when there is one: the inner ring's diagonal chunk then learns
         # its document structure on the host.
-        local_mask = _rank_mask(prepared.host_mask or prepared.mask, uly_rank, u, hq, hkv, repeat)
+        local_mask = rank_heads_mask(prepared.host_mask or prepared.mask, uly_rank, u, hq, hkv, repeat)
         order = sorts[g].to(q.device)
-        return _prepare(local_mask, ring_plan, ring_group, device=q.device, check=False), order, torch.argsort(order)
+        return prepare_agreed(local_mask, ring_plan, ring_group, device=q.device), order, torch.argsort(order)
 
     ring_prepared, order, inverse = prepared.derived(("hybrid", hq, hkv, repeat, q.device), inner)
     qh, kh, vh = (seq_to_heads(t, uly_group).index_select(2, order) for t in (q, k, v))
-    out = _ring(qh, kh, vh, ring_prepared, ring_group, scale, name, stats)
+    out = ring_agreed(qh, kh, vh, ring_prepared, ring_group, scale, name, stats)
     return heads_to_seq(out.index_select(2, inverse), uly_group)

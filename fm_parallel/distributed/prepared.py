@@ -41,7 +41,7 @@ from fm_parallel.distributed.graphs import LayerGraphs
 from fm_parallel.distributed.sharding import ShardPlan, pair_table_and_key_windows
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["PreparedMask", "prepare", "for_call", "local_prepare", "fail_together", "local_rows"]
+__all__ = ["PreparedMask", "prepare", "for_call", "local_prepare", "fail_together", "local_rows", "check_grid_mesh", "prepare_agreed"]
 
 
 class PreparedMask:
@@ -262,15 +262,27 @@ def _check_sizes(mask: FlashMask, plan: ShardPlan) -> None:
         raise ValueError(f"mask: expected a self-attention mask of {plan.num_tokens} rows (the plan's N), got {mask.num_rows}")
 
 
+def check_grid_mesh(mesh) -> None:
+    """Raise ``ValueError`` unless ``mesh`` is the hybrid's 2-D DeviceMesh with dims ``("ring", "ulysses")``."""
+    names = getattr(mesh, "mesh_dim_names", None)
+    if names is None or tuple(names) != ("ring", "ulysses"):
+        raise ValueError(f"mesh: expected a 2-D DeviceMesh with dims ('ring', 'ulysses'), got dims {names}")
+
+
+def prepare_agreed(mask: FlashMask, plan: ShardPlan, group=None, *, device=None) -> PreparedMask:
+    """:func:`prepare` without its agreement collective, for a caller whose own agreement already
+    covered this mask and plan on every rank (the hybrid's inner ring: its mask and plan are derived
+    from the agreed grid's)."""
+    return _prepare(mask, plan, group, device=device, check=False)
+
+
 def _prepare(mask, plan, group=None, *, mesh=None, device=None, check: bool, cuda_graphs: bool = False) -> PreparedMask:
     if not dist.is_initialized():
         _check_mask_and_plan(mask, plan)
         raise ValueError("group: expected an initialised torch.distributed process group, got none")
 
     if mesh is not None:
-        names = getattr(mesh, "mesh_dim_names", None)
-        if names is None or tuple(names) != ("ring", "ulysses"):
-            raise ValueError(f"mesh: expected a 2-D DeviceMesh with dims ('ring', 'ulysses'), got dims {names}")
+        check_grid_mesh(mesh)
     groups = _mesh_groups(mesh)
     world = mesh.size() if mesh is not None else dist.get_world_size(group)
     rank = _plan_rank(group, mesh)

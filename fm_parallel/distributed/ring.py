@@ -27,7 +27,7 @@ from fm_parallel.distributed.prepared import PreparedMask, for_call
 from fm_parallel.distributed.sharding import ShardPlan
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["ring_attention", "RingStats", "ring_attention_over"]
+__all__ = ["ring_attention", "RingStats", "ring_attention_over", "ring_agreed"]
 
 
 @dataclass
@@ -359,10 +359,10 @@ def ring_attention(
             gradients, plan or mask, at any layer (raised on every rank).
     """
     prepared, _, _, name = for_call(q, k, v, mask, plan, group, impl=impl, chunked=True, scale=scale)
-    return _ring(q, k, v, prepared, group, scale, name, stats)
+    return ring_agreed(q, k, v, prepared, group, scale, name, stats)
 
 
-def _ring(q, k, v, prepared: PreparedMask, group, scale, name: str, stats):
+def ring_agreed(q, k, v, prepared: PreparedMask, group, scale, name: str, stats: RingStats | None = None):
     """The ring on an agreed prepared mask, with the kernel the agreement resolved (hybrid calls it
     after its own agreement)."""
     d = q.shape[-1]

@@ -26,7 +26,7 @@ from fm_parallel.distributed.prepared import PreparedMask, for_call
 from fm_parallel.distributed.sharding import ShardPlan
 from fm_parallel.masks.flashmask import FlashMask
 
-__all__ = ["ulysses_attention", "seq_to_heads", "heads_to_seq", "ulysses_heads"]
+__all__ = ["ulysses_attention", "seq_to_heads", "heads_to_seq", "ulysses_heads", "rank_heads_mask"]
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
@@ -109,7 +109,7 @@ def ulysses_heads(h_q: int, h_kv: int, world: int) -> int:
     )
 
 
-def _rank_mask(mask: FlashMask, rank: int, world: int, h_q: int, h_kv: int, repeat: int) -> FlashMask:
+def rank_heads_mask(mask: FlashMask, rank: int, world: int, h_q: int, h_kv: int, repeat: int) -> FlashMask:
     """The mask heads of this rank's head slice (all of them when the mask is shared by heads)."""
     if mask.heads == 1:
         return mask
@@ -162,7 +162,7 @@ def ulysses_attention(
     # prepared mask's head slice, made once per step).
     order, inverse = prepared.derived(("ulysses order", q.device), lambda: _orders(prepared.plan, q.device))
     local_mask = prepared.derived(("ulysses mask", rank, world, hq, hkv, repeat),
-                                  lambda: _rank_mask(prepared.mask, rank, world, hq, hkv, repeat))
+                                  lambda: rank_heads_mask(prepared.mask, rank, world, hq, hkv, repeat))
     qs, ks, vs = autocast_inputs(*(t.index_select(2, inverse) for t in (qh, kh, vh)))
     # The kernel the agreement resolved, called as the ring calls it (no second resolution or check):
     # all rows of the sequence, consecutive from 0, for this rank's heads.

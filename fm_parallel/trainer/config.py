@@ -93,11 +93,16 @@ class ModelConfig:
                                        "sequence in one call)", low=0)
 
 
+# The objectives, one class each in objectives.py (OBJECTIVES, which checks at import that its names are
+# these: objectives.py imports this module, so this one cannot read them there).
+OBJECTIVE_NAMES = ("sft", "dpo", "rm")
+
+
 @dataclass
 class DataConfig:
     objective: str = _key("sft", "sft (packed documents) | dpo (packed preference samples) | rm (a reward model on "
-                          "packed samples of one prompt and K ranked responses)", choices=("sft", "dpo", "rm"),
-                          choices_text="'sft', 'dpo' or 'rm'")
+                          "packed samples of one prompt and K ranked responses)", choices=OBJECTIVE_NAMES,
+                          choices_text=", ".join(map(repr, OBJECTIVE_NAMES[:-1])) + f" or {OBJECTIVE_NAMES[-1]!r}")
     path: str = _key("", "a JSONL, Parquet, Arrow or JSON file, a folder of them, or the name of a dataset in the local "
                          "datasets cache, in TRL's formats: sft {\"text\"}, {\"messages\"} or {\"prompt\",\"completion\"}; "
                          "dpo and rm {\"prompt\",\"chosen\",\"rejected\"} (strings or message lists, the prompt may be "

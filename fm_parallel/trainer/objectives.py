@@ -19,7 +19,7 @@ import torch
 from fm_parallel.formats import DataError, sft_document
 from fm_parallel.logprobs import at_least_float32, response_sums, token_logps
 from fm_parallel.preference import bradley_terry_loss, dpo_loss
-from fm_parallel.trainer.config import Config, ConfigError
+from fm_parallel.trainer.config import OBJECTIVE_NAMES, Config, ConfigError
 from fm_parallel.trainer.data import Row, check_dpo_sample, dpo_rows, rm_rows, rm_sample, sft_rows
 from fm_parallel.trainer.fsdp import in_root, reference_model
 from fm_parallel.trainer.model import hidden_states
@@ -252,6 +252,8 @@ class RM(Objective):
 
 
 OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (SFT, DPO, RM)}
+if tuple(OBJECTIVES) != OBJECTIVE_NAMES:  # data.objective's choices (config.py) name exactly these classes
+    raise ImportError(f"config.OBJECTIVE_NAMES {OBJECTIVE_NAMES} != the objectives' names {tuple(OBJECTIVES)}")
 
 
 def rows_per_pass(cfg: Config, objective: Objective, tokenizer, held_out: int = 0,
