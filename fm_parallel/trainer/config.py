@@ -308,9 +308,6 @@ def _check_relations(cfg: Config) -> None:
     if m.finetune == "full" and m.memory_plan == "auto":
         raise ConfigError("model.memory_plan: expected 'fixed' with model.finetune = 'full' (the plan counts adapters, "
                           "not sharded weights, their gradients and AdamW state yet), got 'auto'")
-    if m.finetune == "full" and m.checkpoint_every != 1:
-        raise ConfigError(f"model.checkpoint_every: expected 1 with model.finetune = 'full' (a checkpoint spanning several "
-                          f"FSDP units would recompute layers whose weights are not gathered), got {m.checkpoint_every}")
     if m.lora_dropout and m.tile_chunk:
         raise ConfigError(f"model.lora_dropout: expected 0 with model.tile_chunk = {m.tile_chunk} (a tiled layer recomputes "
                           f"its tiles in the backward without the forward's dropout masks), got {m.lora_dropout}; set "

@@ -2,11 +2,11 @@
 FSDP2 (``torch.distributed.fsdp.fully_shard``) over every rank of the job, data and context parallel
 alike (as torchtitan shards over dp x cp), composed with the trainer's own layers.
 
-    model = shard_full_model(base, cfg, device)       # one unit per decoder layer, then the root
+    model = shard_full_model(base, cfg, device)       # one unit per checkpoint segment, then the root
     loss = model(objective.loss, model, batch, layout)  # every forward runs inside the root's
 
-Units: each decoder layer (its parameters all-gathered for its forward, and again for its backward,
-where the layer's checkpoint recomputes it), then the root: the embedding, the final norm and the head.
+Units: each decoder layer, or with checkpoints every k layers each segment of k layers (its parameters
+all-gathered for its forward, and again for its backward, where the checkpoint recomputes it), then the root: the embedding, the final norm and the head.
 The trainer's objectives run the decoder and the chunked loss themselves, not the HF model's forward,
 so :class:`ShardedModel` is the root: ``model(fn, *args)`` runs ``fn(*args)`` inside the root's
 forward, where FSDP gathers the root's parameters and after which its backward reduces their
@@ -51,7 +51,8 @@ class ShardedModel(nn.Module):
 
 def shard_full_model(base: nn.Module, cfg: Config, device: torch.device, reference: nn.Module | None = None) -> ShardedModel:
     """``base`` with every parameter trainable, sharded by FSDP2 over the default process group (all
-    ranks, one flat mesh dimension): one unit per decoder layer, then the root (:class:`ShardedModel`).
+    ranks, one flat mesh dimension): one unit per checkpoint segment (a decoder layer, or
+    ``model.checkpoint_every`` of them), then the root (:class:`ShardedModel`).
     Call after the layers are tiled / checkpointed (their forwards are wrapped in place, and FSDP's
     hooks run around them) and before the optimizer is built (it must see the sharded parameters).
     ``reference``: a frozen copy of the initial model (DPO's), sharded alike, no gradients, kept
@@ -68,14 +69,13 @@ def shard_full_model(base: nn.Module, cfg: Config, device: torch.device, referen
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cfg.model.offload_optimizer:
         options["offload_policy"] = CPUOffloadPolicy()
-    for layer in decoder_layers(base):
-        fully_shard(layer, **options)
+    every = cfg.model.checkpoint_every if cfg.model.activation_checkpointing else 1
+    _shard_segments(base, every, options)
     model = ShardedModel(base)
     fully_shard(model, **options)
     if reference is not None:
         reference.requires_grad_(False)
-        for layer in decoder_layers(reference):
-            fully_shard(layer, **options)
+        _shard_segments(reference, every, options)
         frozen = ShardedModel(reference)
         fully_shard(frozen, **options)
         model.__dict__["reference"] = frozen  # not a submodule: not trained, saved or exported
@@ -86,6 +86,20 @@ def shard_full_model(base: nn.Module, cfg: Config, device: torch.device, referen
             if gloo:  # gloo has no PREMUL_SUM / AVG (NCCL's fused scaling): plain sums, scaled after
                 module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _shard_segments(base: nn.Module, every: int, options: dict) -> None:
+    """One FSDP unit per checkpoint segment of ``every`` decoder layers (one per layer when 1). A
+    segment's first layer runs the whole segment inside one checkpoint (``checkpoint_layers``) and
+    calls the other layers' forwards directly, past their module hooks: as one unit (``fully_shard``
+    of the list), every weight of the segment is gathered when its first layer starts, for the
+    forward and for the backward's recompute, and resharded after its last layer."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = decoder_layers(base)
+    for start in range(0, len(layers), every):
+        group = list(layers[start:start + every])
+        fully_shard(group[0] if len(group) == 1 else group, **options)
 
 
 @contextlib.contextmanager

@@ -3,12 +3,13 @@ trained, sharded with FSDP2 over every rank, composed with the CP layouts, on 1,
 with a float64 tiny Llama:
 
 - per-step losses and every parameter after the run (the exported model) equal one process's (1e-10)
-  for cp none over 2 ranks (data parallel), ring, Ulysses, hybrid 2 x 2 and ring 2 x dp 2;
+  for cp none over 2 ranks (data parallel), ring, Ulysses, hybrid 2 x 2 and ring 2 x dp 2, and with
+  checkpoints every 2 and every 3 of 4 layers (one FSDP unit per checkpoint segment);
 - each rank holds 1/world of a layer's weight (an FSDP2 ``DTensor`` shard);
 - a run stopped after 2 steps on 4 ranks resumes on 2 and gives the uninterrupted run's next losses;
 - the exported folder loads with ``AutoModelForCausalLM.from_pretrained`` and reproduces the last
   logged eval loss;
-- what full training does not do yet is refused by name (the memory plan, k-layer checkpoints).
+- what full training does not do yet is refused by name (the memory plan).
 """
 
 import json
@@ -48,6 +49,16 @@ def _shards(rank, world):
             "trainable": all(p.requires_grad for p in model.parameters())}
 
 
+def _units(rank, world):
+    """Which decoder layers share an FSDP unit with checkpoints every 2 of 4 layers."""
+    from fm_parallel.trainer.model import build_model
+
+    cfg = load_config(TINY + L4 + ["--parallel.cp", "none", "--model.checkpoint_every", "2"], environ={})
+    layers = build_model(cfg, 258, torch.device("cpu")).get_base_model().model.layers
+    state = [layer._get_fsdp_state() for layer in layers]
+    return {"shared": [state[i] is state[i + 1] for i in range(3)]}
+
+
 def _records(out):
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
@@ -74,7 +85,13 @@ RUNS = {"single": (1, ["--parallel.cp", "none"]), "single_ga2": (1, ["--parallel
 FP32 = ["--model.dtype", "float32"]
 RUNS.update({"single_ga2_fp32": (1, ["--parallel.cp", "none", "--training.grad_accum", "2"] + FP32),
              "ring2_dp2_fp32": (4, ["--parallel.cp", "ring", "--parallel.cp_degree", "2"] + FP32)})
-SAME_AS = {"dp2": "single_ga2", "ring2": "single", "ulysses2": "single", "hybrid4": "single", "ring2_dp2": "single_ga2"}
+# Checkpoints every k of 4 layers: a segment is one FSDP unit (its first layer runs the others' forwards).
+L4 = ["--model.layers", "4"]
+RUNS.update({"single_l4": (1, ["--parallel.cp", "none"] + L4),
+             "ring2_k2": (2, ["--parallel.cp", "ring", "--model.checkpoint_every", "2"] + L4),
+             "ulysses2_k3": (2, ["--parallel.cp", "ulysses", "--model.checkpoint_every", "3"] + L4)})
+SAME_AS = {"dp2": "single_ga2", "ring2": "single", "ulysses2": "single", "hybrid4": "single", "ring2_dp2": "single_ga2",
+           "ring2_k2": "single_l4", "ulysses2_k3": "single_l4"}
 # The resume: 4 ranks (ring 2 x dp 2) stop after 2 steps; 2 ranks (dp 2) go on from that checkpoint.
 STOP = ["--parallel.cp", "ring", "--parallel.cp_degree", "2", "--output.stop_after", "2"]
 GO_ON = ["--parallel.cp", "none", "--output.resume", "true"]
@@ -90,6 +107,7 @@ def runs(tmp_path_factory):
             cases["stop"] = (_train, (TINY + STOP, str(tmp / "resumed")))
         if world == 2:
             cases["shards"] = (_shards, ())
+            cases["units"] = (_units, ())
         out.update(run_cases(world, cases, timeout=600))
     out.update(run_cases(2, {"go_on": (_train, (TINY + GO_ON, str(tmp / "resumed")))}, timeout=600))
     return tmp, out
@@ -113,6 +131,12 @@ def test_float32_sums_gradients_on_gloo_as_one_process(runs):
     assert all("exception" not in r for r in results["ring2_dp2_fp32"]), [r.get("traceback") for r in results["ring2_dp2_fp32"]]
     got, want = _losses(tmp / "ring2_dp2_fp32"), _losses(tmp / "single_ga2_fp32")
     assert len(got) == 4 and got == pytest.approx(want, rel=1e-5), (got, want)
+
+
+def test_a_checkpoint_segment_is_one_fsdp_unit(runs):
+    _, results = runs
+    for r in results["units"]:
+        assert r == {"shared": [True, False, True]}, r  # layers 0-1 and 2-3
 
 
 def test_the_weights_move_and_each_rank_holds_its_shard(runs):
@@ -150,7 +174,6 @@ def test_the_export_loads_with_from_pretrained_and_gives_the_last_eval_loss(runs
 
 @pytest.mark.parametrize("extra, message", [
     (["--model.memory_plan", "auto"], "model.memory_plan: expected 'fixed' with model.finetune = 'full'"),
-    (["--model.checkpoint_every", "2"], "model.checkpoint_every: expected 1 with model.finetune = 'full'"),
     (["--model.finetune", "lora", "--model.offload_optimizer", "true"], "model.offload_optimizer: expected model.finetune = 'full'"),
 ])
 def test_what_full_training_does_not_do_yet_is_refused_by_name(tmp_path, extra, message):
