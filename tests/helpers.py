@@ -1,4 +1,6 @@
-"""Shared test helpers: random inputs, the plain-PyTorch baseline and the derived tolerance.
+"""Shared test helpers: random inputs and masks, a tiny HF Llama, the trainer's tiny run, the
+plain-PyTorch baseline and the derived tolerance. Test modules import these from here, never from
+each other.
 
 Tolerance rule (see ../shared/style.md): our error against the float64 reference must be within 2x
 of the error that plain PyTorch (SDPA with a dense bool mask, in the same dtype) makes against the
@@ -6,9 +8,13 @@ same reference, plus a floor of a few ulps of the output's scale for float32/flo
 errors are at rounding level and their ratio is noise.
 """
 
+import random
+
 import torch
 import torch.nn.functional as F
 
+from fm_parallel import masks
+from fm_parallel.masks import TileClass
 from fm_parallel.reference import reference_attention
 
 FLOOR_ULPS = 16
@@ -107,3 +113,70 @@ def track_final_hidden_states(monkeypatch) -> list:
     import fm_parallel.trainer.model as trainer_model
 
     return track_returns(monkeypatch, trainer_model, "hidden")
+
+
+def random_intervals(b, h, nq, nk, max_m, seed):
+    """Random sorted, disjoint, non-adjacent intervals per column, and their dense picture."""
+    rng = random.Random(seed)
+    fms = torch.full((b, h, nk, max_m), nq, dtype=torch.int32)
+    fme = torch.full((b, h, nk, max_m), -1, dtype=torch.int32)
+    picture = torch.zeros(b, h, nq, nk, dtype=torch.bool)
+    for bi in range(b):
+        for hi in range(h):
+            for j in range(nk):
+                k = rng.randint(0, max_m)
+                cuts = sorted(rng.sample(range(nq + 1), min(2 * k, nq + 1)))
+                for m in range(len(cuts) // 2):
+                    s, e = cuts[2 * m], cuts[2 * m + 1] - 1
+                    if m and s <= int(fme[bi, hi, j, m - 1]) + 1:
+                        continue  # touching the previous one: would merge, keep the test exact
+                    if s > e:
+                        continue
+                    fms[bi, hi, j, m], fme[bi, hi, j, m] = s, e
+                    picture[bi, hi, s : e + 1, j] = True
+    return fms, fme, picture
+
+
+def truth(dense: torch.Tensor, positions: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
+    """Brute-force class of every tile of a [Nq, Nk] picture whose rows are at `positions`."""
+    sub = dense[positions]
+    nq, nk = sub.shape
+    out = torch.empty(-(-nq // block_q), -(-nk // block_k), dtype=torch.int8)
+    for i in range(out.shape[0]):
+        for c in range(out.shape[1]):
+            tile = sub[i * block_q : (i + 1) * block_q, c * block_k : (c + 1) * block_k]
+            out[i, c] = TileClass.FULL if tile.all() else TileClass.SKIP if not tile.any() else TileClass.PARTIAL
+    return out
+
+
+def mask_families(n):
+    return {
+        "causal": masks.causal(n),
+        "document": masks.document([20, 0, 31, 5], n=n),  # trailing padding: 21 rows see nothing
+        "document_bidir": masks.document([30, 47], causal=False, n=n),
+        "dpo": masks.dpo(30, 20, 17, n=n),
+        "reward_model": masks.preference(20, [15, 20, 22]),
+        "prefix_lm_docs": masks.prefix_lm(prefix_len=[10, 3], lengths=[40, 37]),
+        "sliding_sinks": masks.sliding_window(n, 9, sinks=3),
+        "union_multi": masks.union(masks.sliding_window(n, 5), masks.document([25, 25, 27], causal=False)),
+        # Global rows 0..2 (see every key) + a window with sinks: tiles full through different interval
+        # slots in different columns (the tile rule's cover slot makes them full).
+        "global_window": masks.union(masks.sliding_window(n, 61, sinks=3),
+                                     masks.FlashMask(torch.zeros(n, dtype=torch.int32), torch.full((n,), 2, dtype=torch.int32))),
+    }
+
+
+def tiny_llama(impl: str, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, attn_implementation=impl)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).double()
+
+
+# The trainer's tiny LoRA run on the CPU (launch/train.py flags).
+TINY = ["--model.hidden_size", "64", "--model.layers", "2", "--model.heads", "4", "--model.kv_heads", "2",
+        "--model.intermediate_size", "128", "--model.lora_rank", "4", "--data.seq_len", "128",
+        "--training.steps", "2", "--training.warmup", "1", "--training.loss_chunk", "64", "--parallel.cp", "none",
+        "--output.checkpoint_every", "1"]

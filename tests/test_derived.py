@@ -6,7 +6,7 @@ import gc
 import pytest
 import torch
 
-from fm_parallel import flashmask_attention, masks
+from fm_parallel import masks
 from fm_parallel.derived import IdentityCache, caching, caching_enabled, derived_for_mask
 
 
@@ -16,7 +16,7 @@ def counting():
 
 
 def test_a_value_is_made_once_per_object_and_key():
-    cache, (calls, make) = IdentityCache("t"), counting()
+    cache, (_, make) = IdentityCache("t"), counting()
     a, b = torch.zeros(3), torch.zeros(3)
     assert cache.get((a,), "k", make) == 1 and cache.get((a,), "k", make) == 1
     assert cache.get((b,), "k", make) == 2  # equal data, another object
@@ -25,7 +25,7 @@ def test_a_value_is_made_once_per_object_and_key():
 
 
 def test_an_in_place_edit_is_a_miss_and_a_freed_object_drops_its_entry():
-    cache, (calls, make) = IdentityCache("t"), counting()
+    cache, (_, make) = IdentityCache("t"), counting()
     mask = masks.causal(8)
     assert cache.get((mask,), "k", make) == 1
     mask.fme.add_(0)  # bumps the bounds' version
@@ -36,7 +36,7 @@ def test_an_in_place_edit_is_a_miss_and_a_freed_object_drops_its_entry():
 
 
 def test_entries_keeps_the_most_recent_object_tuples():
-    cache, (calls, make) = IdentityCache("t", entries=1), counting()
+    cache, (_, make) = IdentityCache("t", entries=1), counting()
     a, b = torch.zeros(1), torch.zeros(1)
     assert cache.get((a,), "k", make) == 1
     assert cache.get((b,), "k", make) == 2
@@ -45,7 +45,7 @@ def test_entries_keeps_the_most_recent_object_tuples():
 
 
 def test_the_off_switch_recomputes_everything(monkeypatch):
-    cache, (calls, make) = IdentityCache("t"), counting()
+    cache, (_, make) = IdentityCache("t"), counting()
     a = torch.zeros(1)
     with caching(False):
         assert not caching_enabled()

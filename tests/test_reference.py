@@ -5,27 +5,10 @@ import torch
 
 from fm_parallel import FlashMask, flashmask_attention, masks
 from fm_parallel.reference import reference_attention
-from tests.helpers import assert_matches_reference, qkv
-from tests.masks.test_flashmask import random_intervals
+from tests.helpers import assert_matches_reference, mask_families, qkv
+from tests.helpers import random_intervals
 
 N = 77
-
-
-def mask_families(n):
-    return {
-        "causal": masks.causal(n),
-        "document": masks.document([20, 0, 31, 5], n=n),  # trailing padding: 21 rows see nothing
-        "document_bidir": masks.document([30, 47], causal=False, n=n),
-        "dpo": masks.dpo(30, 20, 17, n=n),
-        "reward_model": masks.preference(20, [15, 20, 22]),
-        "prefix_lm_docs": masks.prefix_lm(prefix_len=[10, 3], lengths=[40, 37]),
-        "sliding_sinks": masks.sliding_window(n, 9, sinks=3),
-        "union_multi": masks.union(masks.sliding_window(n, 5), masks.document([25, 25, 27], causal=False)),
-        # Global rows 0..2 (see every key) + a window with sinks: tiles full through different interval
-        # slots in different columns (the tile rule's cover slot makes them full).
-        "global_window": masks.union(masks.sliding_window(n, 61, sinks=3),
-                                     masks.FlashMask(torch.zeros(n, dtype=torch.int32), torch.full((n,), 2, dtype=torch.int32))),
-    }
 
 
 FAMILIES = mask_families(N)

@@ -15,7 +15,7 @@ import pytest
 
 from fm_parallel.user_errors import exit_with_user_error, user_error_line
 
-from tests.trainer.test_runs import TINY
+from tests.helpers import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
 REASON = "logging.tensorboard: expected the 'tensorboard' package"

@@ -110,7 +110,7 @@ def test_every_name_through_the_hugging_face_and_deepspeed_backends(monkeypatch)
     from fm_parallel import masks
     from fm_parallel.integrations import transformers as fm_hf
     from fm_parallel.integrations.deepspeed import FlashMaskLocalAttention
-    from tests.integrations.test_transformers import tiny_llama
+    from tests.helpers import tiny_llama
 
     ran = _spy(monkeypatch)
     model = tiny_llama(fm_hf.register()).eval()

@@ -6,7 +6,7 @@ import torch
 from fm_parallel import masks
 from fm_parallel.distributed import ParallelDims, pair_counts, row_work, shard
 from fm_parallel.distributed.sharding import pair_table_and_key_windows
-from tests.masks.test_flashmask import random_intervals
+from tests.helpers import random_intervals
 
 
 def test_contiguous_and_zigzag_positions():

@@ -14,7 +14,7 @@ N, D = 96, 8
 
 def _masks():
     from fm_parallel import FlashMask, masks
-    from tests.masks.test_flashmask import random_intervals
+    from tests.helpers import random_intervals
 
     per_kv = FlashMask(*random_intervals(1, 2, N, N, 3, seed=5)[:2], N)
     per_q = FlashMask(*random_intervals(1, 4, N, N, 2, seed=6)[:2], N)

@@ -63,7 +63,8 @@ def ulysses_hf(rank, world):
     from fm_parallel import masks
     from fm_parallel.integrations import transformers as fm_hf
     from fm_parallel.integrations.deepspeed import register_ulysses_hf
-    from tests.integrations.test_transformers import _doc_labels, tiny_llama
+    from tests.helpers import tiny_llama
+    from tests.integrations.test_transformers import _doc_labels
 
     dcomm.init_distributed(dist_backend="gloo")
     name = fm_hf.register()
@@ -103,7 +104,7 @@ def test_ulysses_hf_keeps_packed_document_masks(attention_runs):
 def _lora_llama(attention):
     from peft import LoraConfig, get_peft_model
 
-    from tests.integrations.test_transformers import tiny_llama
+    from tests.helpers import tiny_llama
 
     return get_peft_model(tiny_llama(attention).float(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
 
@@ -127,7 +128,7 @@ def zero_training(rank, world, stage):
 
     from fm_parallel.integrations import transformers as fm_hf
     from fm_parallel.integrations.deepspeed import register_ulysses_hf
-    from tests.integrations.test_transformers import tiny_llama
+    from tests.helpers import tiny_llama
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))  # what torchrun would set
     dcomm.init_distributed(dist_backend="gloo")

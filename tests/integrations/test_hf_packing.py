@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.integrations.test_transformers import tiny_llama
+from tests.helpers import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 warnings.filterwarnings("ignore", message=r".*past_key_values.*deprecated")

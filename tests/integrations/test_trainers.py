@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from tests.integrations.test_transformers import tiny_llama
+from tests.helpers import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")

@@ -4,19 +4,12 @@ padding, peft LoRA, and context parallelism (ring, Ulysses, hybrid) against one 
 import pytest
 import torch
 
+from tests.helpers import tiny_llama
+
 from tests.distributed.spawn import run_cases
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
-
-
-def tiny_llama(impl: str, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, attn_implementation=impl)
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).double()
 
 
 def test_matches_sdpa_causal_documents_and_padding():

@@ -8,9 +8,9 @@ import torch
 from fm_parallel import FlashMask, masks
 from fm_parallel.kernels.fa4.sparsity import fa4_block_sparsity
 from fm_parallel.masks import TileClass
-from tests.masks.test_blocks import truth
-from tests.masks.test_flashmask import random_intervals
-from tests.test_reference import mask_families
+from tests.helpers import truth
+from tests.helpers import random_intervals
+from tests.helpers import mask_families
 
 N = 77  # ragged against every tile size below
 FAMILIES = mask_families(N)

@@ -6,8 +6,8 @@ import torch
 from fm_parallel import FlashMask, masks
 from fm_parallel.kernels.plan import build_plans, build_plans_consecutive
 from fm_parallel.masks import classify_tiles, row_block_bounds, tile_ranges
-from tests.masks.test_flashmask import random_intervals
-from tests.test_reference import mask_families
+from tests.helpers import random_intervals
+from tests.helpers import mask_families
 
 FIELDS = ("full_offsets", "full_runs", "part_offsets", "part_runs", "order")
 

@@ -12,9 +12,9 @@ from fm_parallel.kernels.plan import build_plan
 from fm_parallel.masks import TileClass
 from fm_parallel.reference import reference_attention
 from tests.helpers import assert_matches_reference, qkv
-from tests.masks.test_blocks import truth
-from tests.masks.test_flashmask import random_intervals
-from tests.test_reference import mask_families
+from tests.helpers import truth
+from tests.helpers import random_intervals
+from tests.helpers import mask_families
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,7 +10,7 @@ from fm_parallel import FlashMask, masks
 from fm_parallel.kernels.triton import plan as triton_plan
 from fm_parallel.kernels.plan import build_plans, build_plans_consecutive
 from tests.kernels.test_plan_consecutive import assert_same, random_case
-from tests.test_reference import mask_families
+from tests.helpers import mask_families
 
 pytest.importorskip("triton")
 

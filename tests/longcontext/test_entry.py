@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from tests.integrations.test_transformers import tiny_llama
+from tests.helpers import tiny_llama
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

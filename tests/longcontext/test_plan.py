@@ -5,7 +5,7 @@ memory counts its parameters and, for the trainable ones, their gradients and Ad
 
 import pytest
 
-from tests.integrations.test_transformers import tiny_llama
+from tests.helpers import tiny_llama
 
 peft = pytest.importorskip("peft")
 

@@ -5,19 +5,7 @@ import torch
 
 from fm_parallel import masks
 from fm_parallel.masks import TileClass
-from tests.masks.test_flashmask import random_intervals
-
-
-def truth(dense: torch.Tensor, positions: torch.Tensor, block_q: int, block_k: int) -> torch.Tensor:
-    """Brute-force class of every tile of a [Nq, Nk] picture whose rows are at `positions`."""
-    sub = dense[positions]
-    nq, nk = sub.shape
-    out = torch.empty(-(-nq // block_q), -(-nk // block_k), dtype=torch.int8)
-    for i in range(out.shape[0]):
-        for c in range(out.shape[1]):
-            tile = sub[i * block_q : (i + 1) * block_q, c * block_k : (c + 1) * block_k]
-            out[i, c] = TileClass.FULL if tile.all() else TileClass.SKIP if not tile.any() else TileClass.PARTIAL
-    return out
+from tests.helpers import random_intervals, truth
 
 
 def classify(mask, positions, block_q, block_k):

@@ -1,34 +1,11 @@
 """The FlashMask type: validation, dense round trips, converters (Paddle, FlexAttention)."""
 
-import random
-
 import pytest
 import torch
 
 from fm_parallel import FlashMask, masks
+from tests.helpers import random_intervals
 from tests.masks import paddle_reference
-
-
-def random_intervals(b, h, nq, nk, max_m, seed):
-    """Random sorted, disjoint, non-adjacent intervals per column, and their dense picture."""
-    rng = random.Random(seed)
-    fms = torch.full((b, h, nk, max_m), nq, dtype=torch.int32)
-    fme = torch.full((b, h, nk, max_m), -1, dtype=torch.int32)
-    picture = torch.zeros(b, h, nq, nk, dtype=torch.bool)
-    for bi in range(b):
-        for hi in range(h):
-            for j in range(nk):
-                k = rng.randint(0, max_m)
-                cuts = sorted(rng.sample(range(nq + 1), min(2 * k, nq + 1)))
-                for m in range(len(cuts) // 2):
-                    s, e = cuts[2 * m], cuts[2 * m + 1] - 1
-                    if m and s <= int(fme[bi, hi, j, m - 1]) + 1:
-                        continue  # touching the previous one: would merge, keep the test exact
-                    if s > e:
-                        continue
-                    fms[bi, hi, j, m], fme[bi, hi, j, m] = s, e
-                    picture[bi, hi, s : e + 1, j] = True
-    return fms, fme, picture
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -260,7 +260,7 @@ def test_the_one_layer_measurement_ends_each_phase_where_the_trainer_step_change
     from fm_parallel.trainer import capacity, model as trainer_model
     from tests.helpers import track_final_hidden_states
     from fm_parallel.trainer.config import load_config
-    from tests.trainer.test_runs import TINY
+    from tests.helpers import TINY
 
     log = []
     clock = iter(range(1, 10**6))
@@ -376,7 +376,7 @@ def test_the_trainer_says_once_when_a_step_peaks_above_its_plan(tmp_path, room):
     import json
 
     from tests.distributed.spawn import run_ranks
-    from tests.trainer.test_runs import TINY
+    from tests.helpers import TINY
 
     device_bytes = 1 if room == "short" else 1 << 50  # the CPU's peak resident set stands in for the GPU's peak
     out = str(tmp_path / "run")

@@ -12,16 +12,11 @@ import pytest
 import torch
 
 from tests.distributed.spawn import run_ranks
+from tests.helpers import TINY
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--model.hidden_size", "64", "--model.layers", "2", "--model.heads", "4", "--model.kv_heads", "2",
-        "--model.intermediate_size", "128", "--model.lora_rank", "4", "--data.seq_len", "128",
-        "--training.steps", "2", "--training.warmup", "1", "--training.loss_chunk", "64", "--parallel.cp", "none",
-        "--output.checkpoint_every", "1"]
-
-
 def trainer(*args, env=None, timeout=300):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("FM_")}
     environ.update(OMP_NUM_THREADS="1", **(env or {}))

@@ -51,7 +51,7 @@ def test_sft_rows_labels_stay_inside_documents():
 def test_dpo_mask_keeps_chosen_and_rejected_apart():
     from fm_parallel.integrations import transformers as fm_hf
     from fm_parallel.logprobs import token_logps as _token_logps
-    from tests.integrations.test_transformers import tiny_llama
+    from tests.helpers import tiny_llama
 
     row = next(dpo_rows(512, ByteTokenizer()))
     model = tiny_llama(fm_hf.register()).eval()
