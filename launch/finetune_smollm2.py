@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

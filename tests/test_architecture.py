@@ -10,7 +10,9 @@
   language in it;
 * the FA4 version is written once (``pyproject.toml``; ``fm_parallel.kernels.fa4.pin`` reads it);
 * no trainer module but ``objectives.py`` compares an objective's name (an objective is one class);
-* the deprecated ``fm_parallel.launchers`` view is gone.
+* the deprecated ``fm_parallel.launchers`` view is gone;
+* no script under ``launch/`` edits ``sys.path`` (benchmarks run as ``python -m launch.bench.<name>``);
+* a backend's derived data is never stored on a ``FlashMask`` (each backend has its own store).
 """
 
 import ast
@@ -269,3 +271,15 @@ def test_a_backends_derived_data_is_never_stored_on_the_mask():
                     isinstance(node.value, ast.Name) and node.value.id == "self"):
                 found.append(f"{rel}:{node.lineno} .{node.attr}")
     assert not found, "data derived outside the masks layer stored on a FlashMask:\n" + "\n".join(found)
+
+
+def test_no_script_under_launch_edits_sys_path():
+    """Benchmarks run as modules from the project root (``python -m launch.bench.<name>``); an example
+    imports its siblings from its own folder, which Python puts on ``sys.path`` when it runs."""
+    found = []
+    for path in sorted((ROOT / "launch").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+                    and node.value.id == "sys"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, "sys.path used under launch/ (run the script as a module instead):\n" + "\n".join(found)

@@ -29,7 +29,7 @@ def test_list_prints_every_benchmark_and_the_docs_hold_the_same_table():
         assert (ROOT / "launch" / "bench" / b.script).is_file(), b
         assert f"| {b.suite} | {b.name} |" in proc.stdout
     assert table() in (ROOT / "docs" / "benchmarks" / "README.md").read_text(), \
-        "docs/benchmarks/README.md: paste the output of `python launch/bench/run.py --list`"
+        "docs/benchmarks/README.md: paste the output of `python -m launch.bench.run --list`"
 
 
 def test_every_script_under_launch_bench_is_in_the_catalogue_or_a_helper():
@@ -43,8 +43,8 @@ def test_every_script_under_launch_bench_is_in_the_catalogue_or_a_helper():
 def test_a_dry_run_prints_the_documented_commands_and_torchrun_takes_nproc():
     proc = runner("--suite", "cp", "--dry-run", "--nproc", "4")
     assert proc.returncode == 0, proc.stderr
-    assert "== cp-scaling: torchrun --nproc_per_node 4 launch/bench/cp_scaling.py" in proc.stdout
-    assert "== ring-cpu: python launch/bench/ring_cpu.py" in proc.stdout
+    assert "== cp-scaling: torchrun --nproc_per_node 4 -m launch.bench.cp_scaling" in proc.stdout
+    assert "== ring-cpu: python -m launch.bench.ring_cpu" in proc.stdout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -71,7 +71,7 @@ def test_the_cpu_suite_runs_end_to_end_and_writes_json_table_and_plot(tmp_path):
     proc = runner("--suite", "cpu", "--only", "cpu-attention", "--", "--n", "256", "--masks", "docs512", "--quick",
                   "--out", str(tmp_path), timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "== cpu-attention: python launch/bench/cpu_attention.py --n 256" in proc.stdout
+    assert "== cpu-attention: python -m launch.bench.cpu_attention --n 256" in proc.stdout
     data = json.loads((tmp_path / "cpu_attention.json").read_text())
     assert len(data["rows"]) == 4 and not [r for r in data["rows"] if "error" in r]  # 2 impls x fwd, fwd+bwd
     assert all(r["time_ms"] > 0 and "peak_mib" in r for r in data["rows"])
@@ -84,15 +84,22 @@ def test_the_cpu_suite_runs_end_to_end_and_writes_json_table_and_plot(tmp_path):
     ("max_context.py", "on a CPU pass --device cpu"),
     ("train_context.py", "on a CPU pass --device cpu"),  # its trainer fell back to the CPU: rows of the wrong device
     ("cp_scaling.py", "on a CPU pass --device cpu (gloo)"),
-    ("cp_layer_cost.py", "launch/bench/ring_cpu.py"),
+    ("cp_layer_cost.py", "python -m launch.bench.ring_cpu"),
 ])
 def test_the_gpu_scripts_refuse_their_default_device_without_cuda(script, on_a_cpu):
     """A script's default ``--device cuda`` on a machine without one: status 2 and one line saying
     what to run instead, not a traceback from inside torch (or a trainer silently on the CPU)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / script)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", f"launch.bench.{script[:-3]}"], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"{script}: error: --device cuda: expected a CUDA device" in proc.stderr and on_a_cpu in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_benchmark_run_as_a_file_says_how_to_run_it():
+    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "kernel.py")], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 1 and "python -m launch.bench.kernel" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
 

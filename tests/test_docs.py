@@ -125,18 +125,18 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
     ("docs/adding-a-backend.md", "import torch"): Run(),
     ("README.md", "python launch/quickstart.py"): Run(expect="All masks agree with dense attention: yes"),
     ("README.md", "pip install -e '.[cute]'"): Skip(INSTALLS, "the FA4 CuTe extra (flash-attn-4, cutlass-dsl): Hopper only"),
-    ("README.md", "python launch/bench/run.py --list"): Run(expect="| cpu | cpu-attention |"),
-    ("README.md", "python launch/bench/run.py --suite kernel"): Skip(GPU, "H200 kernel benchmark"),
-    ("README.md", "python launch/bench/run.py --suite trainer"): Skip(GPU, "H200 trainer benchmark, 1B model at 32k-128k"),
-    ("README.md", "python launch/bench/run.py --suite long-context"):
+    ("README.md", "python -m launch.bench.run --list"): Run(expect="| cpu | cpu-attention |"),
+    ("README.md", "python -m launch.bench.run --suite kernel"): Skip(GPU, "H200 kernel benchmark"),
+    ("README.md", "python -m launch.bench.run --suite trainer"): Skip(GPU, "H200 trainer benchmark, 1B model at 32k-128k"),
+    ("README.md", "python -m launch.bench.run --suite long-context"):
         Skip(GPU, "H200 longest-step search up to 1M tokens, and the trainer's on 8 GPUs"),
-    ("README.md", "python launch/bench/run.py --suite cp --only ring-cpu"):
+    ("README.md", "python -m launch.bench.run --suite cp --only ring-cpu"):
         Skip(TESTED, "P = 4..64 at 128k plus a 4-rank gloo run: minutes; the test runs the script at N = 4096",
-             "tests/test_launch.py::test_ring_planner_report", ('"ring_cpu.py"',)),
+             "tests/test_launch.py::test_ring_planner_report", ('"launch.bench.ring_cpu"',)),
     ("README.md", "python -m pytest -q tests/kernels/test_cute.py"):
         Skip(INSTALLS, "needs the [cute] extra (flash-attn-4, nvidia-cutlass-dsl); skipped without it, saying so"),
     ("README.md", "python -m pytest -q -rs tests/gpu"): Skip(GPU, "the GPU verification (H200); on a CPU it skips them"),
-    ("README.md", "python launch/bench/run.py --suite cpu"):
+    ("README.md", "python -m launch.bench.run --suite cpu"):
         Skip(TESTED, "about 10 minutes on 2 cores; the test runs this suite at N = 256",
              "tests/test_bench_runner.py::test_the_cpu_suite_runs_end_to_end_and_writes_json_table_and_plot",
              ('"--suite", "cpu"',)),
@@ -189,16 +189,16 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
              "tests/integrations/test_deepspeed_alst.py::test_alst_in_the_hf_trainer_equals_one_process",
              ("ulysses_parallelism_config(", "deepspeed.init_distributed(")),
     # ---------------------------------------------------------------- docs/long-context.md
-    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --lengths 524288 262144 "
+    ("docs/long-context.md", "python -m launch.bench.max_context --models 8b --impls flashmask --lengths 524288 262144 "
                              "--calibrate 65536 131072 --host-gib 100"):
         Skip(GPU, "8B model planned and run at 512k and 256k tokens (run on the H100, 2026-12-05)"),
-    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --compile off --profile 131072 "
+    ("docs/long-context.md", "python -m launch.bench.max_context --models 8b --impls flashmask --compile off --profile 131072 "
                              "--lengths 131072 --calibrate 65536 131072 --host-gib 100"):
         Skip(GPU, "8B model, parts eager: a profiled step at 131k (run on the H100, 2026-12-05)"),
-    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --compile on --profile 131072 "
+    ("docs/long-context.md", "python -m launch.bench.max_context --models 8b --impls flashmask --compile on --profile 131072 "
                              "--lengths 131072 524288 --calibrate 65536 131072 --host-gib 100"):
         Skip(GPU, "8B model, parts compiled: a profiled step at 131k, steps at 131k and 512k (run on the H100, 2026-12-05)"),
-    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --compile on --profile 131072 "
+    ("docs/long-context.md", "python -m launch.bench.max_context --models 8b --impls flashmask --compile on --profile 131072 "
                              "--lengths 131072 --calibrate 65536 131072 --host-gib 100"):
         Skip(GPU, "8B model, parts compiled, LoRA in bf16: a profiled step at 131k (run on the H100, 2026-12-07)"),
     ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_1m.toml --output.stop_after 1 "
@@ -220,11 +220,11 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
     ("docs/long-context.md", "python -m fm_parallel.launch --config launch/configs/h200_8b_1m.toml --training.steps 2"):
         Skip(GPU, "8B model at 1M tokens, two steps with the plan counting each phase's held inputs (run on the H100, "
                   "2026-12-06)"),
-    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --start 524288 --max 524288 "
+    ("docs/long-context.md", "python -m launch.bench.max_context --models 8b --impls flashmask --start 524288 --max 524288 "
                              "--calibrate 16384 32768"):
         Skip(GPU, "8B model planned from the old default's two short steps at 512k (run on the H100, 2026-12-06, "
                   "without --calibrate, then its default; again with the flag as written that night)"),
-    **{("docs/long-context.md", f"python launch/bench/max_context.py --models 8b --impls flashmask --lengths {n}"):
+    **{("docs/long-context.md", f"python -m launch.bench.max_context --models 8b --impls flashmask --lengths {n}"):
        Skip(GPU, f"8B model at {n} tokens planned from one layer measured, max_context.py's default (run on the H100, "
                  "2026-12-06 night; the first cut by a time limit after its 512k row)")
        for n in ("524288 1048576", "1048576")},
@@ -234,39 +234,39 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
                  "2026-12-06)")
        for length, steps, out in (("--data.seq_len 262144 ", 3, "r256"), ("--data.seq_len 524288 ", 2, "r512"),
                                   ("", 2, "r1m"))},
-    ("docs/long-context.md", "python launch/bench/one_layer_input.py --config launch/configs/h200_8b_1m.toml"):
+    ("docs/long-context.md", "python -m launch.bench.one_layer_input --config launch/configs/h200_8b_1m.toml"):
         Skip(GPU, "the plan's one-layer lines at the 1M config's lengths, three inputs (its predecessor run on the H100, "
                   "2026-12-06; its wiring tested on the CPU in tests/trainer/test_memory_plan.py)"),
-    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --lengths 262144 524288 524288 "
+    ("docs/long-context.md", "python -m launch.bench.max_context --models 8b --impls flashmask --lengths 262144 524288 524288 "
                              "--calibrate 65536 131072"):
         Skip(GPU, "8B model planned at 256k and 512k, 512k twice (run on the H200, 2026-12-06)"),
-    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --profile 524288 --lengths 524288 "
+    ("docs/long-context.md", "python -m launch.bench.max_context --models 8b --impls flashmask --profile 524288 --lengths 524288 "
                              "--time-limit 0 --calibrate 65536 131072"):
         Skip(GPU, "8B model, a profiled warm step at 512k with 9 layers offloaded (run on the H200, 2026-12-06)"),
-    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --lengths 262144 524288 524288 "
+    ("docs/long-context.md", "python -m launch.bench.max_context --models 8b --impls flashmask --lengths 262144 524288 524288 "
                              "--calibrate 65536 131072 --host-gib 100"):
         Skip(GPU, "8B model planned at 256k and 512k, 512k twice (run on the H100, 2026-12-05)"),
-    **{("docs/long-context.md", f"python launch/bench/max_context.py --models 8b --impls flashmask --lora-compute {dtype} "
+    **{("docs/long-context.md", f"python -m launch.bench.max_context --models 8b --impls flashmask --lora-compute {dtype} "
                                 "--checkpoint-every 1 --offload 0 --lengths 131072 131072"):
            Skip(GPU, f"8B model at 131k, LoRA products in {dtype}, two steps (run on the H100, 2026-12-05)")
        for dtype in ("base", "float32")},
-    ("docs/long-context.md", "python launch/bench/max_context.py --models 1b --impls flashmask --lengths 2097152 "
+    ("docs/long-context.md", "python -m launch.bench.max_context --models 1b --impls flashmask --lengths 2097152 "
                              "--calibrate 131072 262144 --host-gib 100"):
         Skip(GPU, "1B model planned and run at 2M tokens (run on the H200, 2026-12-06, and the H100, 2026-12-05)"),
-    ("docs/long-context.md", "python launch/bench/max_context.py --models 1b --impls flex --lengths 2097152 "
+    ("docs/long-context.md", "python -m launch.bench.max_context --models 1b --impls flex --lengths 2097152 "
                              "--calibrate 131072 262144 --host-gib 100"):
         Skip(GPU, "1B model with FlexAttention planned at 2M tokens: out of memory (run on the H200, 2026-12-06)"),
-    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flex --lengths 524288 "
+    ("docs/long-context.md", "python -m launch.bench.max_context --models 8b --impls flex --lengths 524288 "
                              "--calibrate 65536 131072"):
         Skip(GPU, "8B model with FlexAttention planned at 512k tokens: out of memory (run on the H200, 2026-12-06)"),
-    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --memory-breakdown 1048576 "
+    ("docs/long-context.md", "python -m launch.bench.max_context --models 8b --impls flashmask --memory-breakdown 1048576 "
                              "--time-limit 0 --calibrate 65536 131072"):
         Skip(GPU, "8B model at 1M under the allocator's history: recorded whole on an H100 (2026-12-06, checkpoint "
                   "early stop off); failed on the H200 before that change (torch's bug pytorch/pytorch#179536)"),
-    ("docs/long-context.md", "python launch/bench/max_context.py --models 8b --impls flashmask --lengths 1048576 "
+    ("docs/long-context.md", "python -m launch.bench.max_context --models 8b --impls flashmask --lengths 1048576 "
                              "--calibrate 65536 131072"):
         Skip(GPU, "8B model at 1M without the recording, its peak against the recorded one (run on an H100, 2026-12-06)"),
-    ("docs/long-context.md", "python launch/bench/max_context.py --merge docs/benchmarks/max_context_runs/1b_h200_2m.jsonl "
+    ("docs/long-context.md", "python -m launch.bench.max_context --merge docs/benchmarks/max_context_runs/1b_h200_2m.jsonl "
                              "docs/benchmarks/max_context_runs/1b_flex.jsonl docs/benchmarks/max_context_runs/1b_h200_flex_2m.jsonl "
                              "docs/benchmarks/max_context_runs/1b_sdpa_dense.jsonl "
                              "docs/benchmarks/max_context_runs/8b_h200_auto_256k_512k_warm.jsonl "
@@ -296,8 +296,8 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
         Skip(TESTED, "needs P processes and their group",
              "tests/distributed/test_prepared.py::test_every_layer_reuses_the_prepared_mask_and_matches_one_process",
              ("prepare(",)),
-    ("docs/parallelism.md", "python launch/bench/run.py --suite cp --only ring-cpu"):
-        Skip(SAME, "the README's", ("README.md", "python launch/bench/run.py --suite cp --only ring-cpu")),
+    ("docs/parallelism.md", "python -m launch.bench.run --suite cp --only ring-cpu"):
+        Skip(SAME, "the README's", ("README.md", "python -m launch.bench.run --suite cp --only ring-cpu")),
     ("docs/parallelism.md", "from fm_parallel.distributed import ParallelDims, hybrid_attention, ulysses_attention"):
         Skip(TESTED, "needs P processes, their group and a device mesh",
              "tests/distributed/test_ulysses_hybrid.py::test_hybrid_2x2_matches_single_process",
@@ -340,7 +340,7 @@ DECISIONS: dict[tuple[str, str], Run | Skip] = {
              ('"launch/train.py", "--help"',)),
     ("docs/training.md", "python -m fm_parallel.trainer.export RUN_DIR"):
         Skip(TESTED, "RUN_DIR is a placeholder", EXPORT_TEST, ("fm_parallel.trainer.export",)),
-    ("docs/training.md", "python launch/bench/trainer_attention.py --lengths 32768 --attention flashmask flex sdpa --warm-pass"):
+    ("docs/training.md", "python -m launch.bench.trainer_attention --lengths 32768 --attention flashmask flex sdpa --warm-pass"):
         Skip(GPU, "1B model at 32k, three attentions, warm (H200, 2026-12-04)"),
     ("docs/long-context.md", HF_LONG): Run(expect="summary: losses"),
     ("docs/long-context.md", f"{HF_LONG} --trainer trl --documents 4"): Run(expect="summary: losses", requires=("trl", "datasets")),

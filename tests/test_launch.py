@@ -53,7 +53,7 @@ def test_quickstart_says_which_side_deviates_when_a_row_disagrees():
 
 def test_ring_planner_report(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "bench" / "ring_cpu.py"), "--skip-run", "--n", "4096",
+        [sys.executable, "-m", "launch.bench.ring_cpu", "--skip-run", "--n", "4096",
          "--worlds", "4", "8", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )
@@ -65,8 +65,7 @@ def test_ring_planner_report(tmp_path):
 
 
 def test_max_context_search_doubles_then_bisects():
-    sys.path.insert(0, str(ROOT / "launch" / "bench"))
-    from max_context import search_longest
+    from launch.bench.max_context import search_longest
 
     longest, tried = search_longest(lambda n: n <= 300_000, 8192, 1 << 21, 16384)
     assert tried[:7] == [8192, 16384, 32768, 65536, 131072, 262144, 524288]
@@ -77,7 +76,7 @@ def test_max_context_search_doubles_then_bisects():
 
 def test_max_context_runs_a_real_step_on_the_cpu(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "bench" / "max_context.py"), "--models", "tiny", "--impls", "flashmask",
+        [sys.executable, "-m", "launch.bench.max_context", "--models", "tiny", "--impls", "flashmask",
          "sdpa_dense", "--device", "cpu", "--start", "256", "--max", "512", "--granularity", "128", "--loss-chunk", "128",
          "--tile-chunk", "128", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
@@ -90,7 +89,7 @@ def test_max_context_runs_a_real_step_on_the_cpu(tmp_path):
 
 def test_max_context_marks_the_second_step_of_a_repeated_length_warm(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "bench" / "max_context.py"), "--models", "tiny", "--impls", "flashmask",
+        [sys.executable, "-m", "launch.bench.max_context", "--models", "tiny", "--impls", "flashmask",
          "--device", "cpu", "--lengths", "256", "256", "384", "--loss-chunk", "128", "--tile-chunk", "128",
          "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
@@ -102,7 +101,7 @@ def test_max_context_marks_the_second_step_of_a_repeated_length_warm(tmp_path):
 
 def test_max_context_memory_breakdown_needs_cuda(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "bench" / "max_context.py"), "--models", "tiny", "--impls", "flashmask",
+        [sys.executable, "-m", "launch.bench.max_context", "--models", "tiny", "--impls", "flashmask",
          "--device", "cpu", "--lengths", "256", "--memory-breakdown", "256", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )
@@ -118,7 +117,7 @@ def test_max_context_merges_earlier_runs(tmp_path):
     dense = [{**rows[0], "impl": "sdpa_dense"}]
     for name, part in (("a.jsonl", rows), ("b.jsonl", dense)):
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in part))
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench" / "max_context.py"), "--merge", str(tmp_path / "a.jsonl"),
+    proc = subprocess.run([sys.executable, "-m", "launch.bench.max_context", "--merge", str(tmp_path / "a.jsonl"),
                            str(tmp_path / "b.jsonl"), "--out", str(tmp_path / "new")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]  # --out is made when missing
     out = tmp_path / "new"
@@ -138,8 +137,7 @@ def test_max_context_step_frees_the_final_hidden_state_before_the_layers_backwar
     trainer at the 1M peak (docs/long-context.md, the budget term by term)."""
     import types
 
-    sys.path.insert(0, str(ROOT / "launch" / "bench"))
-    from max_context import _model, _step
+    from launch.bench.max_context import _model, _step
 
     args = types.SimpleNamespace(tile_chunk=64, attention_chunk=128, compile="off", lora_compute="base", max=512,
                                  loss_chunk=64)
@@ -161,8 +159,7 @@ def test_max_context_step_records_its_phases_and_plans_on_the_costliest(monkeypa
     from fm_parallel.trainer.capacity import PhasePeaks
     from fm_parallel.longcontext.memory import GIB
 
-    sys.path.insert(0, str(ROOT / "launch" / "bench"))
-    from max_context import Planner, _model, _step
+    from launch.bench.max_context import Planner, _model, _step
 
     args = types.SimpleNamespace(tile_chunk=64, attention_chunk=128, compile="off", lora_compute="base", max=512,
                                  loss_chunk=64)
@@ -202,8 +199,7 @@ def test_max_context_plans_from_one_layer_measured_as_the_trainer_does():
     from fm_parallel.trainer.capacity import measured_lengths
     from fm_parallel.longcontext.memory import GIB, MemoryPlanError
 
-    sys.path.insert(0, str(ROOT / "launch" / "bench"))
-    from max_context import Planner, _config
+    from launch.bench.max_context import Planner, _config
 
     def planner():
         return Planner(32, 4096, 2, 0.94 * 79.18 * GIB, 96 * GIB, None, None)
@@ -247,8 +243,7 @@ def test_max_context_plans_from_one_layer_measured_as_the_trainer_does():
 
 
 def test_max_context_by_shape_orders_shapes_and_marks_lower_bounds():
-    sys.path.insert(0, str(ROOT / "launch" / "bench"))
-    from max_context import by_shape
+    from launch.bench.max_context import by_shape
 
     def result(model, impl, longest, stopped=None, failed=True, warm=None):
         tried = [{"n": longest, "fits": True, "step_s": longest / 1000, "device": "GPU"}]
@@ -266,7 +261,7 @@ def test_max_context_by_shape_orders_shapes_and_marks_lower_bounds():
 
 def test_trainer_attention_benchmark_runs_on_the_cpu(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "bench" / "trainer_attention.py"), "--shape", "tiny", "--lengths", "512",
+        [sys.executable, "-m", "launch.bench.trainer_attention", "--shape", "tiny", "--lengths", "512",
          "--attention", "flashmask", "sdpa", "--timed-steps", "3", "--tile-chunk", "128", "--loss-chunk", "128", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )
@@ -283,7 +278,7 @@ def test_trainer_attention_benchmark_runs_on_the_cpu(tmp_path):
 def test_trainer_attention_warm_pass_times_the_same_rows_after_an_untimed_run(tmp_path):
     """--warm-pass: each configuration trains once untimed first; the timed run is the same training
     (same losses as without it) and its rows say so."""
-    args = [sys.executable, str(ROOT / "launch" / "bench" / "trainer_attention.py"), "--shape", "tiny", "--lengths", "512",
+    args = [sys.executable, "-m", "launch.bench.trainer_attention", "--shape", "tiny", "--lengths", "512",
             "--attention", "flashmask", "--timed-steps", "1", "--tile-chunk", "128", "--loss-chunk", "128"]
     for name, extra in (("warm", ["--warm-pass"]), ("cold", [])):
         proc = subprocess.run(args + extra + ["--name", name, "--out", str(tmp_path)], capture_output=True, text=True,
@@ -298,7 +293,7 @@ def test_trainer_attention_warm_pass_times_the_same_rows_after_an_untimed_run(tm
 def test_trainer_attention_dpo_layouts_run_on_the_cpu(tmp_path):
     """The DPO end-to-end comparison: shared prompt against TRL's layout, samples/s from the rows trained."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "bench" / "trainer_attention.py"), "--shape", "tiny", "--lengths", "2048",
+        [sys.executable, "-m", "launch.bench.trainer_attention", "--shape", "tiny", "--lengths", "2048",
          "--attention", "flashmask", "--objective", "dpo", "--timed-steps", "2", "--tile-chunk", "128", "--loss-chunk", "128",
          "--name", "dpo", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
@@ -320,7 +315,7 @@ def test_trainer_attention_dpo_layouts_run_on_the_cpu(tmp_path):
 def test_trainer_attention_dpo_samples_of_exact_sizes(tmp_path):
     """--dpo-sample P R: every sample is P prompt and R response tokens (the prompt's last token opens
     each response), in both layouts; a size below 1 is refused by name."""
-    cmd = [sys.executable, str(ROOT / "launch" / "bench" / "trainer_attention.py"), "--shape", "tiny", "--lengths", "512",
+    cmd = [sys.executable, "-m", "launch.bench.trainer_attention", "--shape", "tiny", "--lengths", "512",
            "--attention", "flashmask", "--objective", "dpo", "--timed-steps", "1", "--tile-chunk", "128",
            "--loss-chunk", "128", "--name", "dpo", "--out", str(tmp_path)]
     proc = subprocess.run(cmd + ["--dpo-sample", "40", "40"], capture_output=True, text=True, timeout=300)
@@ -335,7 +330,7 @@ def test_trainer_attention_dpo_samples_of_exact_sizes(tmp_path):
 
 def test_cp_scaling_script_runs_on_cpu_ranks(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "launch" / "bench" / "cp_scaling.py"),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "launch.bench.cp_scaling",
          "--device", "cpu", "--ns", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--dtype", "float32",
          "--masks", "docs", "--balances", "contiguous", "mask", "--repeat", "1", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -351,16 +346,16 @@ def test_cp_scaling_script_runs_on_cpu_ranks(tmp_path):
 
 
 def test_train_context_searches_with_fresh_trainer_runs(tmp_path):
-    script = str(ROOT / "launch" / "bench" / "train_context.py")
+    script = ("-m", "launch.bench.train_context")
     common = ["--nproc", "2", "--shape", "tiny", "--cp", "ring", "--device", "cpu", "--granularity", "256", "--steps", "1"]
-    proc = subprocess.run([sys.executable, script, *common, "--start", "256", "--max", "512", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, *script, *common, "--start", "256", "--max", "512", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads((tmp_path / "train_context_tiny_ring_x2.json").read_text())
     assert data["longest"] == 512 and [r["n"] for r in data["rows"]] == [256, 512]
     assert all(r["fits"] and r["tokens_per_s"] > 0 and len(r["losses"]) == 1 for r in data["rows"])
     # A run that fails is a length that does not fit, with the rank's own error as the reason.
-    proc = subprocess.run([sys.executable, script, *common, "--start", "255", "--max", "300", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, *script, *common, "--start", "255", "--max", "300", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads((tmp_path / "train_context_tiny_ring_x2.json").read_text())["rows"][0]
@@ -372,7 +367,7 @@ def test_tune_triton_static_report_compiles_for_hopper_without_a_gpu(tmp_path):
     D=64 forward fits; a D=64 forward with 128 x 128 tiles on 4 warps spills (ptxas says so)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "bench" / "tune_triton.py"), "--static", "--d", "64", "--kinds", "fwd",
+        [sys.executable, "-m", "launch.bench.tune_triton", "--static", "--d", "64", "--kinds", "fwd",
          "--extra", "128,128,4,2", "--json", str(tmp_path / "s.json")],
         capture_output=True, text=True, timeout=600, env=env,
     )

@@ -1,8 +1,8 @@
 """What one attention layer costs each context-parallel rank, measured on ONE GPU, and what that
 predicts for P GPUs.
 
-    python launch/bench/cp_layer_cost.py                                   # H200: P 2 4 8, N 128k-1M
-    python launch/bench/run.py --suite cp --only cp-layer-cost            # the same, through the runner
+    python -m launch.bench.cp_layer_cost                                   # H200: P 2 4 8, N 128k-1M
+    python -m launch.bench.run --suite cp --only cp-layer-cost            # the same, through the runner
 
 CUDA only (``--device cpu`` is refused: use ring_cpu.py); its ring mechanics are tested on the CPU in
 tests/test_launch.py (the Loopback transport through ``ring_attention_over``).
@@ -59,9 +59,10 @@ from typing import TYPE_CHECKING
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the launch.bench imports need the project root on sys.path
+    raise SystemExit("run it from the project root as a module: python -m launch.bench.cp_layer_cost")
 
-from launch.bench.harness import DTYPES, check_device, spread  # noqa: E402
+from launch.bench.harness import DTYPES, check_device, spread
 
 if TYPE_CHECKING:
     from fm_parallel.masks import FlashMask
@@ -422,7 +423,7 @@ def write_results(args, gpu: str, impl: str, rows: list[dict]) -> None:
             "linearly in tokens; a layer's device time = the modelled CP attention + that; 'CP host / layer' = rank 0's "
             "attention host ms over it (the rest's own host ms is in the JSON)")
     stem = f"cp_scaling_model_{gpu.replace(' ', '_').lower()}"
-    cmd = "python launch/bench/cp_layer_cost.py " + " ".join(sys.argv[1:])
+    cmd = "python -m launch.bench.cp_layer_cost " + " ".join(sys.argv[1:])
     (args.out / f"{stem}.json").write_text(json.dumps({"command": cmd, "device": gpu, "kernel": impl,
                                                         "assumptions": assumptions, "rows": rows}, indent=1))
     lines = [f"# CP per-layer cost on one {gpu}, and the scaling it predicts", "", f"`{cmd}`", "",
@@ -484,7 +485,7 @@ def parse_args(argv: list[str] | None = None, *, check_device_here: bool = False
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = parser.parse_args(argv)
     if check_device_here:
-        check_device(parser, args.device, "it times CUDA kernels (on a CPU: launch/bench/ring_cpu.py)")
+        check_device(parser, args.device, "it times CUDA kernels (on a CPU: python -m launch.bench.ring_cpu)")
     return args
 
 

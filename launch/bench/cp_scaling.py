@@ -1,7 +1,7 @@
 """Context-parallel scaling: ring, Ulysses and hybrid against the single-GPU kernel, per GPU.
 
-    torchrun --nproc_per_node 8 launch/bench/cp_scaling.py                         # H200s: 128k, 512k, 1M
-    torchrun --nproc_per_node 4 launch/bench/cp_scaling.py --device cpu --ns 512 \\
+    torchrun --nproc_per_node 8 -m launch.bench.cp_scaling                         # H200s: 128k, 512k, 1M
+    torchrun --nproc_per_node 4 -m launch.bench.cp_scaling --device cpu --ns 512 \\
         --heads 8 --kv-heads 2 --head-dim 16 --dtype float32 --repeat 2            # mechanics on a CPU
 
 For each mask (packed documents, DPO), length, balance mode and CP mode, rank 0 reports:
@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the launch.bench imports need the project root on sys.path
+    raise SystemExit("run it from the project root as a module: python -m launch.bench.cp_scaling")
 
-from launch.bench.harness import DTYPES, check_device, error_line, init_ranks, spread  # noqa: E402
+from launch.bench.harness import DTYPES, check_device, error_line, init_ranks, spread
 
 
 
@@ -204,7 +205,7 @@ def main() -> None:
 def write(rows, args, world, device) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     tag = f"cp_scaling_{device.type}_x{world}"
-    cmd = f"torchrun --nproc_per_node {world} launch/bench/cp_scaling.py " + " ".join(sys.argv[1:])
+    cmd = f"torchrun --nproc_per_node {world} -m launch.bench.cp_scaling " + " ".join(sys.argv[1:])
     (args.out / f"{tag}.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1))
     lines = ["| N | mask | balance | mode | fwd+bwd ms min / median / max | fwd TF/GPU | fwd+bwd TF/GPU | single-GPU fwd+bwd TF | "
              "efficiency | imbalance | GB moved | plain ring GB | exposed s |",

@@ -1,7 +1,7 @@
 """CPU benchmark: the blockwise PyTorch path (impl="torch") against SDPA with a dense bool mask.
 
-    python launch/bench/cpu_attention.py                     # N = 2k..16k, about 10 minutes on 2 cores
-    python launch/bench/cpu_attention.py --n 2048 4096 --quick
+    python -m launch.bench.cpu_attention                     # N = 2k..16k, about 10 minutes on 2 cores
+    python -m launch.bench.cpu_attention --n 2048 4096 --quick
 
 Masks: packed causal documents (lengths drawn from an exponential law of mean 512, fixed seed) and
 DPO (prompt N/2, chosen N/4, rejected N/4). B=1, H=4, D=64, float32. Every configuration runs in its
@@ -26,9 +26,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the launch.bench imports need the project root on sys.path
+    raise SystemExit("run it from the project root as a module: python -m launch.bench.cpu_attention")
 
-from launch.bench.harness import spread  # noqa: E402
+from launch.bench.harness import spread
 
 OUT = ROOT / "docs" / "benchmarks"
 IMPLS = ("torch", "sdpa-dense")
@@ -121,13 +122,13 @@ def worker(kind: str, impl: str, mask_name: str, n: int, mode: str, reps: int) -
 def run_config(impl, mask_name, n, mode, reps) -> dict:
     row = {"impl": impl, "mask": mask_name, "n": n, "mode": mode, "heads": 4, "head_dim": 64}
     for kind in ("time", "memory"):
-        cmd = [sys.executable, __file__, "--worker", kind, impl, mask_name, str(n), mode, str(reps)]
+        cmd = [sys.executable, "-m", "launch.bench.cpu_attention", "--worker", kind, impl, mask_name, str(n), mode, str(reps)]
         env = dict(os.environ)
         if kind == "memory":
             # Every allocation of 64 KiB or more is its own mmap, unmapped on free: peak RSS then
             # tracks live tensors. (It slows allocation down, hence separate timing runs.)
             env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
         if proc.returncode:
             row["error"] = (proc.stderr.strip().splitlines() or ["no output"])[-1]
             return row
@@ -214,7 +215,7 @@ def main() -> None:
         reps = 1 if args.quick or n >= 16384 else 3
         rows.append(run_config(impl, mask_name, n, mode, reps))
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python launch/bench/cpu_attention.py " + " ".join(sys.argv[1:]), "cpus": os.cpu_count(),
+    meta = {"command": "python -m launch.bench.cpu_attention " + " ".join(sys.argv[1:]), "cpus": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d")}
     (args.out / "cpu_attention.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = table(rows)

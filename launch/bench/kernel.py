@@ -1,7 +1,7 @@
 """GPU kernel benchmark: our Triton FlashMask kernel against its peers, in the same process.
 
-    python launch/bench/kernel.py                      # the full table (H200: about 8 minutes)
-    python launch/bench/kernel.py --ns 16384 --masks docs dpo --quick
+    python -m launch.bench.kernel                      # the full table (H200: about 8 minutes)
+    python -m launch.bench.kernel --ns 16384 --masks docs dpo --quick
 
 Masks (B=1, H=16, D=128 bf16 unless told): causal, packed causal documents (lengths uniform in
 [512, 3584], mean 2048, the anchors' generator), DPO (prompt N/2, chosen N/4, rejected N/4),
@@ -30,13 +30,14 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the launch.bench imports need the project root on sys.path
+    raise SystemExit("run it from the project root as a module: python -m launch.bench.kernel")
 
-from fm_parallel import flashmask_attention, masks  # noqa: E402
-from fm_parallel.masks.flashmask import FlashMask  # noqa: E402
-from fm_parallel.kernels.triton.backend import config_for  # noqa: E402
-from fm_parallel.kernels.plan import build_plans, build_plans_consecutive  # noqa: E402
-from launch.bench.harness import error_line, spread  # noqa: E402
+from fm_parallel import flashmask_attention, masks
+from fm_parallel.masks.flashmask import FlashMask
+from fm_parallel.kernels.triton.backend import config_for
+from fm_parallel.kernels.plan import build_plans, build_plans_consecutive
+from launch.bench.harness import error_line, spread
 
 MASKS = ("causal", "docs", "dpo", "sliding", "prefix", "multi", "window_sinks", "global_window")
 
@@ -362,7 +363,7 @@ def main() -> None:
         prep.append(dict(mask="docs", n=n, **prep_ms("docs", n, 128)))
         print(json.dumps(prep[-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python launch/bench/kernel.py " + " ".join(sys.argv[1:]), "torch": torch.__version__,
+    meta = {"command": "python -m launch.bench.kernel " + " ".join(sys.argv[1:]), "torch": torch.__version__,
             "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d")}
     (args.out / f"{args.tag}.json").write_text(json.dumps({"meta": meta, "rows": rows, "prep": prep, "churn": churn}, indent=1))
     md = table(rows)

@@ -1,7 +1,7 @@
 """Longest sequence at which one LoRA training step fits: FlashMask against SDPA with a dense mask and FlexAttention.
 
-    python launch/bench/max_context.py --models 1b 8b                      # on the H200
-    python launch/bench/max_context.py --models tiny --device cpu --max 8192  # mechanics check on a CPU
+    python -m launch.bench.max_context --models 1b 8b                      # on the H200
+    python -m launch.bench.max_context --models tiny --device cpu --max 8192  # mechanics check on a CPU
 
 For each model shape (random weights, bf16 on GPU, LoRA rank 16 on the attention projections) and
 each attention implementation, the length doubles from --start while a step fits, then bisects
@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the launch.bench imports need the project root on sys.path
+    raise SystemExit("run it from the project root as a module: python -m launch.bench.max_context")
 
-from launch.bench.harness import check_device, error_line  # noqa: E402
+from launch.bench.harness import check_device, error_line
 
 SHAPES = {
     "tiny": dict(hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128, vocab=258),
@@ -654,7 +655,7 @@ def main() -> None:
         check_device(parser, args.device, "on a CPU pass --device cpu (a mechanics check: --models tiny --max 8192)")
     if args.memory_breakdown is not None and not args.merge and not args.device.startswith("cuda"):
         parser.error(f"--memory-breakdown: needs a CUDA --device (it reads the CUDA allocator's history), got --device {args.device}")
-    cmd = "python launch/bench/max_context.py " + " ".join(sys.argv[1:])
+    cmd = "python -m launch.bench.max_context " + " ".join(sys.argv[1:])
     if args.merge:
         args.out.mkdir(parents=True, exist_ok=True)
         merge(args.merge, args.out, cmd, args.note)

@@ -1,6 +1,6 @@
 """The memory plan's one-layer measurement with the layer's input made three ways: its lines by phase.
 
-    python launch/bench/one_layer_input.py --config launch/configs/h200_8b_1m.toml    # on a GPU
+    python -m launch.bench.one_layer_input --config launch/configs/h200_8b_1m.toml    # on a GPU
 
 The trainer's plan (``model.memory_plan = "auto"``) measures a model of the run's shape with one decoder
 layer (fm_parallel/trainer/capacity.py: ``measure_one_layer``) at the two lengths it would measure for
@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
-from fm_parallel.trainer import capacity  # noqa: E402
-from fm_parallel.trainer.config import load_config  # noqa: E402
-from fm_parallel.longcontext.memory import GIB, StepBudget  # noqa: E402
-from fm_parallel.trainer.model import build_tokenizer  # noqa: E402
+from fm_parallel.trainer import capacity
+from fm_parallel.trainer.config import load_config
+from fm_parallel.longcontext.memory import GIB, StepBudget
+from fm_parallel.trainer.model import build_tokenizer
 
 VARIANTS = {
     "dropped": capacity.dropped_gradient_input,

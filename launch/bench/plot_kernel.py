@@ -1,6 +1,6 @@
 """Plot the GPU kernel benchmark: effective TFLOP/s against N per mask, ours and the peers.
 
-    python launch/bench/plot_kernel.py docs/benchmarks/kernel_h200_cute_causal_docs_dpo.json \
+    python -m launch.bench.plot_kernel docs/benchmarks/kernel_h200_cute_causal_docs_dpo.json \
         docs/benchmarks/kernel_h200_cute_sliding_prefix.json docs/benchmarks/kernel_h200_order.json docs/benchmarks/kernel_h200.json
 
 Rows of later files fill in only the (mask, N, D, impl) cases the earlier files lack, so the newest
@@ -16,7 +16,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 STYLE = {"fm_cute": ("C6", "*-"), "fm_triton": ("C0", "o-"), "flex": ("C1", "s--"), "sdpa_flash": ("C2", "^:"), "sdpa_dense_mask": ("C3", "v:"),
          "flex_flash": ("C4", "d--"), "fa4": ("C5", "x-"), "fa4_varlen": ("C5", "x-")}

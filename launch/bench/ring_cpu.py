@@ -1,7 +1,7 @@
 """Ring context parallelism: the planner's report, and a real gloo run on CPU ranks.
 
-    python launch/bench/ring_cpu.py                 # planner report (P = 4, 8, 16, 64) + 4 gloo ranks
-    python launch/bench/ring_cpu.py --skip-run      # planner report only (pure computation)
+    python -m launch.bench.ring_cpu                 # planner report (P = 4, 8, 16, 64) + 4 gloo ranks
+    python -m launch.bench.ring_cpu --skip-run      # planner report only (pure computation)
 
 Planner report (no ranks needed): for each mask family at N = 131072 (packed documents of mean
 length 2048) and each balance mode, the exact pair table gives the chunk transfers a plain ring
@@ -29,12 +29,13 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the launch.bench imports need the project root on sys.path
+    raise SystemExit("run it from the project root as a module: python -m launch.bench.ring_cpu")
 
-from launch.bench.harness import spread  # noqa: E402
+from launch.bench.harness import spread
 
-from fm_parallel import masks  # noqa: E402
-from fm_parallel.distributed import BALANCE_MODES, pair_table_and_key_windows, row_work, shard  # noqa: E402
+from fm_parallel import masks
+from fm_parallel.distributed import BALANCE_MODES, pair_table_and_key_windows, row_work, shard
 
 
 def families(n: int) -> dict:
@@ -171,7 +172,7 @@ def main() -> None:
                 lines.append(f"| {name} | {balance} | {spread(max(rs, key=lambda r: r['ms']))} | {spread(single[name])} | "
                              f"{sum(r['bytes_sent'] for r in rs) / 2**20:.1f} | {sum(r['posted'] for r in rs)} / {sum(r['skipped'] for r in rs)} |")
     args.out.mkdir(parents=True, exist_ok=True)
-    cmd = "python launch/bench/ring_cpu.py " + " ".join(sys.argv[1:])
+    cmd = "python -m launch.bench.ring_cpu " + " ".join(sys.argv[1:])
     (args.out / "ring_cpu.json").write_text(json.dumps({"command": cmd, "planner": planner, "gloo": gloo}, indent=1))
     md = "\n".join(lines)
     (args.out / "ring_cpu.md").write_text(f"# Ring context parallelism\n\n`{cmd}`, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores.\n\n{md}\n")

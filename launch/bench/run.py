@@ -1,16 +1,16 @@
 """The benchmark catalogue: every maintained benchmark, by suite, behind one runner.
 
-    python launch/bench/run.py --list                      # the table: suite, benchmark, needs, command, output
-    python launch/bench/run.py --suite kernel              # every benchmark of a suite, as documented (H200)
-    python launch/bench/run.py --suite cpu                 # the CPU attention benchmark (about 10 min on 2 cores)
-    python launch/bench/run.py --suite cp --only ring-cpu -- --skip-run     # one benchmark, extra arguments
-    python launch/bench/run.py --suite trainer --dry-run   # print the commands only
+    python -m launch.bench.run --list                      # the table: suite, benchmark, needs, command, output
+    python -m launch.bench.run --suite kernel              # every benchmark of a suite, as documented (H200)
+    python -m launch.bench.run --suite cpu                 # the CPU attention benchmark (about 10 min on 2 cores)
+    python -m launch.bench.run --suite cp --only ring-cpu -- --skip-run     # one benchmark, extra arguments
+    python -m launch.bench.run --suite trainer --dry-run   # print the commands only
 
 Suites: ``kernel`` (the kernels against their peers, and the plot drawn from saved runs), ``trainer``
 (the trainer by attention), ``long-context`` (the longest step that fits, one GPU and P ranks), ``cp``
 (context parallelism: per-layer cost, scaling over ranks, the ring planner on the CPU), ``cpu`` (the
 blockwise PyTorch path against SDPA), ``tune`` (Triton block shapes). Each benchmark is its own
-script under launch/bench/, run here as a subprocess of this interpreter (``torchrun`` for the
+script under launch/bench/, run as a module from the project root (``python -m launch.bench.<name>``) in a subprocess of this interpreter (``torchrun`` for the
 multi-rank ones), so its memory and its failures are its own; each writes its JSON / markdown (and a
 plot) under docs/benchmarks/ unless given ``--out``. How to measure: BENCHMARKING.md.
 
@@ -48,7 +48,7 @@ class Benchmark:
 
     def command(self, extra: tuple[str, ...] = (), ranks: int | None = None, python: str = "python") -> list[str]:
         """The command line, as documented (``python``) or to run (``sys.executable``)."""
-        script = [f"launch/bench/{self.script}", *self.args, *extra]
+        script = ["-m", f"launch.bench.{self.script.removesuffix('.py')}", *self.args, *extra]
         if self.ranks:
             launcher = ["torchrun"] if python == "python" else [python, "-m", "torch.distributed.run", "--standalone"]
             return [*launcher, "--nproc_per_node", str(ranks or self.ranks), *script]

@@ -1,7 +1,7 @@
 """Longest sequence the trainer itself trains, on P ranks with context parallelism (or one GPU).
 
-    python launch/bench/train_context.py --nproc 8 --shape 8b --cp ring --start 262144          # 8 H200s
-    python launch/bench/train_context.py --nproc 2 --shape tiny --cp ring --start 256 --max 1024 \\
+    python -m launch.bench.train_context --nproc 8 --shape 8b --cp ring --start 262144          # 8 H200s
+    python -m launch.bench.train_context --nproc 2 --shape tiny --cp ring --start 256 --max 1024 \\
         --device cpu --granularity 256                                                        # mechanics on a CPU
 
 Every length tried is a fresh ``torchrun -m fm_parallel.launch`` run of the real trainer (LoRA SFT
@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "launch" / "bench"))
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the launch.bench imports need the project root on sys.path
+    raise SystemExit("run it from the project root as a module: python -m launch.bench.train_context")
 
 SHAPES = {
     "tiny": dict(hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=128),
@@ -87,7 +87,7 @@ def try_length(args, n: int, work: Path) -> dict:
 def write(rows: list[dict], longest: int, args) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     tag = f"train_context_{args.shape}_{args.cp}_x{args.nproc}"
-    cmd = "python launch/bench/train_context.py " + " ".join(sys.argv[1:])
+    cmd = "python -m launch.bench.train_context " + " ".join(sys.argv[1:])
     (args.out / f"{tag}.json").write_text(json.dumps({"command": cmd, "longest": longest, "rows": rows}, indent=1))
     lines = ["| tokens | fits | step s (last step) | tokens/s (last step) | peak GiB (fullest rank) | host GiB | note |", "|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["n"]):
@@ -133,7 +133,7 @@ def main() -> None:
 
     check_device(parser, args.device, "on a CPU pass --device cpu")  # the trainer would run on the CPU unasked
 
-    from max_context import search_longest
+    from launch.bench.max_context import search_longest
 
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as work:

@@ -1,11 +1,11 @@
 """The trainer's throughput with FlashMask against the same run with SDPA + a dense mask and with FlexAttention.
 
-    python launch/bench/trainer_attention.py                                   # on the H200: 1B-class, 32k-128k
-    python launch/bench/trainer_attention.py --shape tiny --lengths 512 --attention flashmask sdpa --timed-steps 1 \\
+    python -m launch.bench.trainer_attention                                   # on the H200: 1B-class, 32k-128k
+    python -m launch.bench.trainer_attention --shape tiny --lengths 512 --attention flashmask sdpa --timed-steps 1 \\
         --out /tmp/bench                                                       # mechanics check on a CPU
-    python launch/bench/trainer_attention.py --objective dpo --attention flashmask --name trainer_dpo_h200
+    python -m launch.bench.trainer_attention --objective dpo --attention flashmask --name trainer_dpo_h200
                                             # DPO: shared prompt vs TRL's layout (the prompt twice)
-    python launch/bench/trainer_attention.py --objective dpo --attention flashmask --dpo-sample 1024 1024 \
+    python -m launch.bench.trainer_attention --objective dpo --attention flashmask --dpo-sample 1024 1024 \
         --lengths 16384 65536 --name trainer_dpo_h200_1to1   # prompt : response 1 : 1
 
 Each run is the real trainer (``fm_parallel.trainer.loop.train``): LoRA SFT on packed standard-library
@@ -44,7 +44,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the launch.bench imports need the project root on sys.path
+    raise SystemExit("run it from the project root as a module: python -m launch.bench.trainer_attention")
 
 SHAPES = {
     "tiny": ["--model.hidden_size", "64", "--model.layers", "2", "--model.heads", "4", "--model.kv_heads", "2",
@@ -134,7 +135,7 @@ def one_run(shape: str, attention: str, n: int, args, work: Path, layout: str | 
 
 def write(rows: list[dict], args) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
-    cmd = "python launch/bench/trainer_attention.py " + " ".join(sys.argv[1:])
+    cmd = "python -m launch.bench.trainer_attention " + " ".join(sys.argv[1:])
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     (args.out / f"{args.name}.json").write_text(json.dumps({"command": cmd, "device": device, "rows": rows}, indent=1))
     dpo = args.objective == "dpo"

@@ -1,8 +1,8 @@
 """Block shapes of the three Triton FlashMask kernels: the GPU sweep, and a static report without a GPU.
 
-    python launch/bench/tune_triton.py --d 128 --n 16384 --out docs/benchmarks      # H200: time every candidate
-    python launch/bench/tune_triton.py --d 64 256 --tag tune_triton_d64_d256        # shapes spilling > 512 B skipped
-    python launch/bench/tune_triton.py --static --json docs/benchmarks/triton_static_sm90.json   # any machine
+    python -m launch.bench.tune_triton --d 128 --n 16384 --out docs/benchmarks      # H200: time every candidate
+    python -m launch.bench.tune_triton --d 64 256 --tag tune_triton_d64_d256        # shapes spilling > 512 B skipped
+    python -m launch.bench.tune_triton --static --json docs/benchmarks/triton_static_sm90.json   # any machine
 
 Sweep (CUDA): for each pass (forward, dK/dV, dQ) and each candidate (BLOCK_M, BLOCK_N, num_warps,
 num_stages) it times that kernel alone on causal and packed-document masks (B=1, H=16, bf16) and
@@ -38,7 +38,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a file: the launch.bench imports need the project root on sys.path
+    raise SystemExit("run it from the project root as a module: python -m launch.bench.tune_triton")
 
 CANDIDATES = {
     "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 4), (64, 64, 4, 3), (128, 32, 4, 3)],
@@ -191,7 +192,7 @@ def static_report(args) -> None:
     print("\n".join(lines))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"triton": triton.__version__, "command": "python launch/bench/tune_triton.py "
+        args.json.write_text(json.dumps({"triton": triton.__version__, "command": "python -m launch.bench.tune_triton "
                                          + " ".join(sys.argv[1:]), "rows": rows}, indent=1))
 
 

@@ -25,13 +25,9 @@ layer measured at two short lengths) chooses the checkpoints kept, offloaded and
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # trl_sft_cp beside this file
 
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocabulary
     "tiny": (64, 2, 4, 2, 128, 512),

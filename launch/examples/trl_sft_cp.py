@@ -15,12 +15,8 @@ torchrun's ranks print the one-process losses. From the repository root::
 
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # hf_trainer_cp beside this file
-
-from hf_trainer_cp import PrintLoss, documents, dpo_trainer, parse, tiny_llama, training_args  # noqa: E402
+# The example beside this one (a script's own folder is on sys.path when it runs).
+from hf_trainer_cp import PrintLoss, documents, dpo_trainer, parse, tiny_llama, training_args
 
 
 def tiny_tokenizer(vocab: int):

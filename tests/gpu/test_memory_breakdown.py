@@ -43,7 +43,7 @@ def test_a_known_pattern_peaks_where_it_should():
 @needs_cuda
 def test_max_context_memory_breakdown_agrees_with_the_allocator(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "bench" / "max_context.py"), "--models", "tiny", "--impls", "flashmask",
+        [sys.executable, "-m", "launch.bench.max_context", "--models", "tiny", "--impls", "flashmask",
          "--device", "cuda", "--calibrate", "2048", "4096", "--lengths", "8192", "--memory-breakdown", "8192",
          "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
@@ -65,7 +65,7 @@ def test_a_checkpoint_every_2_layers_is_recorded(tmp_path, compile_):
     1M, every 2 or 3 layers, compiled and eager alike). The recorded step turns the early stop off
     (memory_breakdown.recordable_checkpoints) and records."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "bench" / "max_context.py"), "--models", "tiny", "--impls", "flashmask",
+        [sys.executable, "-m", "launch.bench.max_context", "--models", "tiny", "--impls", "flashmask",
          "--device", "cuda", "--checkpoint-every", "2", "--offload", "0", "--compile", compile_,
          "--memory-breakdown", "8192", "--time-limit", "0", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,

@@ -83,7 +83,7 @@ def test_the_scripts_default_plan_measures_one_layer_and_holds(tmp_path):
     (``capacity.measure_layer_budget``), and the length asked peaks at or under the plan (no ``plan
     missed`` warning)."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch" / "bench" / "max_context.py"), "--models", "tiny", "--impls", "flashmask",
+        [sys.executable, "-m", "launch.bench.max_context", "--models", "tiny", "--impls", "flashmask",
          "--device", "cuda", "--tile-chunk", "4096", "--attention-chunk", "8192", "--loss-chunk", "4096",
          "--lengths", "65536", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,

@@ -38,6 +38,7 @@ def _one_process(script: str, extra: list[str], monkeypatch) -> list[float]:
     """The one-process line, run in this process (a second interpreter's start costs more than the
     run): the losses its ``main()`` logged, which it prints with 6 decimals."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)  # (accelerate leaves one in os.environ)
+    monkeypatch.syspath_prepend(str(ROOT / "launch/examples"))  # as running the script puts its folder there
     spec = importlib.util.spec_from_file_location(script[:-3], ROOT / "launch/examples" / script)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
