@@ -92,3 +92,27 @@ def test_every_lower_bound_is_the_one_ci_tests():
     bounds.pop("tomli", None)  # Python < 3.11 only; CI runs 3.11
     bounds.pop("torch", None)  # the README installs torch==2.13.0 first; 2.11 is the GPU image's
     assert bounds == pinned, "pyproject.toml's lower bounds and .ci/lowest.txt differ"
+
+
+def test_every_file_under_docs_benchmarks_is_cited_or_retired():
+    """BENCHMARKING.md's retirement rule: docs/benchmarks holds what a document cites (a file by its
+    name without extension, a folder by its name; ``a_{b,c}`` cites both), nothing else."""
+    files = subprocess.run(["git", "ls-files", "docs/benchmarks"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if not files:
+        pytest.skip("not a git checkout")
+    docs = [ROOT / "README.md", ROOT / "BENCHMARKING.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "docs/benchmarks/README.md"]
+    text = "".join(p.read_text() for p in docs)
+
+    def expand(token):
+        m = re.search(r"\{([^{}]*)\}", token)
+        return [token] if not m else [x for alt in m.group(1).split(",")
+                                      for x in expand(token[:m.start()] + alt + token[m.end():])]
+
+    text += "\n".join(e for token in re.findall(r"[\w./-]*\{[^{}\s]*\}[\w./{},-]*", text) for e in expand(token))
+    uncited = []
+    for f in files:
+        rel = Path(f).relative_to("docs/benchmarks")
+        name = rel.parts[0] if len(rel.parts) > 1 else rel.name.split(".")[0]
+        if str(rel) != "README.md" and name not in text:
+            uncited.append(f)
+    assert not uncited, "cited by no document (retire them: docs/benchmarks/README.md, 'Retired runs'):\n" + "\n".join(uncited)
