@@ -167,3 +167,27 @@ def test_the_cases_pass_on_the_cpu_through_the_pytorch_path():
     assert "global_rows_window" in rows  # the heavy-block case of the launch order
     assert {r["path"] for r in rows.values()} == {"torch"}
     assert all({"out", "dq", "dk", "dv", "lse_max_abs"} <= set(r) for r in rows.values())
+
+
+@needs_cuda
+@pytest.mark.parametrize("impl", ["cute", "triton"])
+def test_a_backends_store_never_keeps_a_mask_alive(impl):
+    """What a GPU backend derives from a mask (plans, FA4 block lists, bounds, recorded launches) lives in
+    the backend's store keyed weakly by the mask (fm_parallel/derived.py): freed with the mask, so no
+    value may hold the mask itself. Several calls, so FA4's launches are recorded and replayed."""
+    import gc
+
+    from fm_parallel.derived import derived_for_mask
+
+    if impl == "cute":
+        pytest.importorskip("flash_attn.cute", reason="flash-attn-4 not importable (the [cute] extra, or FM_FA4_SITE)")
+    store = derived_for_mask("fa4" if impl == "cute" else "triton")
+    store.clear()
+    q, k, v = (torch.randn(1, 4, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    mask = masks.sliding_window(1024, 200, sinks=4).to("cuda")
+    for _ in range(3):
+        flashmask_attention(q, k, v, mask=mask, impl=impl).sum().backward()
+    assert len(store) == 1
+    del mask
+    gc.collect()
+    assert len(store) == 0, "a value of the backend's store holds the mask"
