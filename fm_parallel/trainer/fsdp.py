@@ -49,10 +49,11 @@ class ShardedModel(nn.Module):
         return fn(*args, **kwargs)
 
 
-def shard_full_model(base: nn.Module, cfg: Config, device: torch.device, reference: nn.Module | None = None) -> ShardedModel:
+def shard_full_model(base: nn.Module, cfg: Config, device: torch.device, reference: nn.Module | None = None,
+                     every: int = 1) -> ShardedModel:
     """``base`` with every parameter trainable, sharded by FSDP2 over the default process group (all
-    ranks, one flat mesh dimension): one unit per checkpoint segment (a decoder layer, or
-    ``model.checkpoint_every`` of them), then the root (:class:`ShardedModel`).
+    ranks, one flat mesh dimension): one unit per checkpoint segment (``every`` decoder layers: the
+    layout ``checkpoint_layers`` applied, its policy's ``every``), then the root (:class:`ShardedModel`).
     Call after the layers are tiled / checkpointed (their forwards are wrapped in place, and FSDP's
     hooks run around them) and before the optimizer is built (it must see the sharded parameters).
     ``reference``: a frozen copy of the initial model (DPO's), sharded alike, no gradients, kept
@@ -69,13 +70,12 @@ def shard_full_model(base: nn.Module, cfg: Config, device: torch.device, referen
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cfg.model.offload_optimizer:
         options["offload_policy"] = CPUOffloadPolicy()
-    every = cfg.model.checkpoint_every if cfg.model.activation_checkpointing else 1
     _shard_segments(base, every, options)
     model = ShardedModel(base)
     fully_shard(model, **options)
     if reference is not None:
         reference.requires_grad_(False)
-        _shard_segments(reference, every, options)
+        _shard_segments(reference, 1, options)  # copied before the checkpoints wrapped the layers: one unit each
         frozen = ShardedModel(reference)
         fully_shard(frozen, **options)
         model.__dict__["reference"] = frozen  # not a submodule: not trained, saved or exported

@@ -171,7 +171,7 @@ def build_model(cfg: Config, vocab_size: int, device, save_base=None, head: str 
     if cfg.model.finetune == "full":  # every weight, sharded over the world (fm_parallel/trainer/fsdp.py)
         from fm_parallel.trainer.fsdp import shard_full_model
 
-        model = shard_full_model(base, cfg, device, reference=frozen)
+        model = shard_full_model(base, cfg, device, reference=frozen, every=policy.every if policy is not None else 1)
         model.train()
         model.checkpoint_policy = policy
         return model

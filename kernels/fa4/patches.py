@@ -39,7 +39,7 @@ import logging
 
 from fm_parallel.kernels.fa4.column_masking import apply_flashmask
 from fm_parallel.kernels.fa4.cost_schedule import scheduler_proxy
-from fm_parallel.kernels.fa4.pin import pinned_fa4
+from fm_parallel.kernels.fa4.pin import FA4_DISTRIBUTION, pinned_fa4
 from fm_parallel.kernels.fa4.spec import SCHEDULES, FlashMaskSpec, Options, register, spec_of, traced
 
 __all__ = ["SCHEDULES", "FlashMaskSpec", "Options", "install", "register", "traced"]
@@ -58,7 +58,7 @@ def install() -> bool:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        found = version("flash-attn-4")
+        found = version(FA4_DISTRIBUTION)
     except PackageNotFoundError:
         found = None  # unpacked wheels on the device's PYTHONPATH carry no metadata; check the code instead
     from flash_attn.cute import flash_bwd_sm90, flash_fwd_sm90, mask as fa4_mask, tile_scheduler

@@ -14,7 +14,7 @@ from pathlib import Path
 __all__ = ["FA4_DISTRIBUTION", "pinned_fa4"]
 
 FA4_DISTRIBUTION = "flash-attn-4"
-_PIN = re.compile(r"^flash-attn-4\s*==\s*([^;\s\"']+)")
+_PIN = re.compile(rf"^{re.escape(FA4_DISTRIBUTION)}\s*==\s*([^;\s\"']+)")
 
 
 def _from_pyproject(path: Path) -> str | None:
