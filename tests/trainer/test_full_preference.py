@@ -5,7 +5,9 @@ DPO (``data.objective = "dpo"``): the reference is a frozen copy of the initial 
 beside the trained model:
 
 - the first steps' loss is log 2 (policy = reference) and the loss then moves;
-- ring and Ulysses on 2 ranks give one process's per-step losses and DPO metrics (1e-10);
+- ring and Ulysses on 2 ranks give one process's per-step losses and DPO metrics (1e-10), and so does
+  ring 2 with a checkpoint every 2 of 4 layers (the trained model one FSDP unit per segment, the
+  reference, whose layers no checkpoint wraps, one per layer);
 - a run stopped after 2 steps on 2 ranks resumes in one process with the uninterrupted losses: the
   reference is rebuilt from the initial weights, not from the checkpoint (which holds the trained
   ones); the checkpoint and the export hold the trained model only.
@@ -32,7 +34,8 @@ RM = TINY + ["--data.objective", "rm"]
 RUNS = {"ring2": (2, DPO + ["--parallel.cp", "ring"]),
         "ulysses2": (2, DPO + ["--parallel.cp", "ulysses", "--parallel.balance", "contiguous"]),
         "stop": (2, DPO + ["--parallel.cp", "ring", "--output.stop_after", "2"]),
-        "rm_ring2": (2, RM + ["--parallel.cp", "ring"])}
+        "rm_ring2": (2, RM + ["--parallel.cp", "ring"]),
+        "ring2_k2": (2, DPO + ["--parallel.cp", "ring", "--model.layers", "4", "--model.checkpoint_every", "2"])}
 RM_KEYS = ("loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected")
 KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 
@@ -56,7 +59,9 @@ def runs(tmp_path_factory):
     results.update(run_cases(1, {"single": (_train, (DPO + ["--parallel.cp", "none"], str(tmp / "single"))),
                                  "go_on": (_train, (DPO + ["--parallel.cp", "none", "--output.resume", "true"],
                                                     str(tmp / "resumed"))),
-                                 "rm_single": (_train, (RM + ["--parallel.cp", "none"], str(tmp / "rm_single")))},
+                                 "rm_single": (_train, (RM + ["--parallel.cp", "none"], str(tmp / "rm_single"))),
+                                 "single_l4": (_train, (DPO + ["--parallel.cp", "none", "--model.layers", "4"],
+                                                        str(tmp / "single_l4")))},
                              timeout=600))
     for name, res in results.items():
         assert all("exception" not in r for r in res), (name, [r.get("traceback") for r in res])
@@ -72,9 +77,9 @@ def test_full_dpo_starts_at_log_2_and_learns(runs):
     assert steps[2]["rewards/margins"] != 0
 
 
-@pytest.mark.parametrize("name", ["ring2", "ulysses2"])
-def test_full_dpo_on_2_ranks_gives_one_process_steps(runs, name):
-    got, want = _steps(runs / name), _steps(runs / "single")
+@pytest.mark.parametrize("name, reference", [("ring2", "single"), ("ulysses2", "single"), ("ring2_k2", "single_l4")])
+def test_full_dpo_on_2_ranks_gives_one_process_steps(runs, name, reference):
+    got, want = _steps(runs / name), _steps(runs / reference)
     assert len(got) == len(want) == 5
     for g, w in zip(got, want):
         for key in KEYS:
